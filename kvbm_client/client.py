@@ -1,0 +1,332 @@
+"""KvbmClient: the contract's Python side for engines and tools (async, plus a sync facade).
+
+A client holds a leader session (renewed in the background) and one channel per worker.
+One gRPC round trip per batch: ``prepare_*`` asks the leader for a signed plan for the whole
+batch; each worker executes it in one ``Transfer`` call and confirms it to the leader before
+answering, so when :meth:`AsyncKvbmClient.wait` returns the blocks are committed (stores)
+or in the engine's memory (loads). Clients never own data.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Coroutine, Sequence, TypeVar
+
+import grpc
+
+from .config import KvbmConfig
+from .contract import GRPC_OPTIONS, pb, rpc
+from .errors import KvbmRequestError, KvbmTimeoutError, KvbmUnavailableError, from_rpc_error
+from .ids import BlockHash, JobId, PlanKind, Tier
+from .regions import RegionSpec
+
+log = logging.getLogger("kvbm.client")
+T = TypeVar("T")
+CONTROL_TIMEOUT = 10.0
+
+
+@dataclass(frozen=True)
+class MatchResult:
+    num_matched: int
+    tiers: tuple[Tier, ...]
+
+
+@dataclass
+class TransferHandle:
+    """A batch in flight. ``num_blocks`` entries of the request were planned."""
+
+    kind: PlanKind
+    job_id: JobId | None
+    num_blocks: int
+    indices: tuple[int, ...] = ()  # STORE: which request entries were planned
+    skipped_present: int = 0
+    skipped_full: int = 0
+    deadline: float = 0.0
+    signed: Any = None
+    tasks: list[asyncio.Task] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.job_id is None
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    job_id: JobId | None
+    num_blocks: int
+    bytes: int
+    seconds: float
+
+
+class AsyncKvbmClient:
+    """Async client; create with :meth:`connect`."""
+
+    def __init__(self, config: KvbmConfig | None = None, leader_address: str | None = None,
+                 client_name: str = "kvbm-client") -> None:
+        self.config = config or KvbmConfig.from_env()
+        self.leader_address = leader_address or self.config.resolved_leader_address
+        self.client_name = client_name
+        self.session_id = ""
+        self.workers: dict[str, pb.WorkerInfo] = {}
+        self.regions: dict[str, str] = {}  # worker id -> region id
+        self.max_hashes = 0
+        self._channel: grpc.aio.Channel | None = None
+        self._leader: rpc.LeaderStub | None = None
+        self._worker_stubs: dict[str, tuple[grpc.aio.Channel, rpc.WorkerStub]] = {}
+        self._keepalive: asyncio.Task | None = None
+        self._ttl = 10.0
+        self._closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+    @classmethod
+    async def connect(cls, config: KvbmConfig | None = None, leader_address: str | None = None,
+                      client_name: str = "kvbm-client", timeout: float = CONTROL_TIMEOUT) -> "AsyncKvbmClient":
+        client = cls(config, leader_address, client_name)
+        await client._open(timeout)
+        return client
+
+    async def _open(self, timeout: float) -> None:
+        self._channel = grpc.aio.insecure_channel(self.leader_address, options=GRPC_OPTIONS)
+        self._leader = rpc.LeaderStub(self._channel)
+        await self._open_session(timeout)
+        self._keepalive = asyncio.ensure_future(self._keepalive_loop())
+
+    async def _open_session(self, timeout: float = CONTROL_TIMEOUT) -> None:
+        try:
+            resp = await self._leader.OpenSession(pb.OpenSessionRequest(client_name=self.client_name),
+                                                  timeout=timeout, wait_for_ready=True)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, f"open session at {self.leader_address}") from None
+        self.session_id, self.max_hashes = resp.session_id, resp.max_hashes
+        self._ttl = resp.ttl_ms / 1000
+        self.workers = {w.worker_id: w for w in resp.workers}
+
+    async def _keepalive_loop(self) -> None:
+        while not self._closed:
+            await asyncio.sleep(self._ttl / 3)
+            try:
+                await self._leader.KeepAlive(pb.KeepAliveRequest(session_id=self.session_id),
+                                             timeout=self._ttl / 3)
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND:  # leader restarted or session expired
+                    try:
+                        await self._open_session()
+                        log.warning("kvbm session re-opened")
+                    except Exception as reopen:
+                        log.debug("re-open failed: %s", reopen)
+                else:
+                    log.debug("keepalive failed: %s", exc.code().name)
+
+    async def close(self) -> None:
+        """Close the session (releasing pins) and the channels; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._keepalive is not None:
+            self._keepalive.cancel()
+        if self._leader is not None and self.session_id:
+            try:
+                await self._leader.CloseSession(pb.CloseSessionRequest(session_id=self.session_id), timeout=2)
+            except grpc.RpcError:
+                pass
+        for channel, _ in self._worker_stubs.values():
+            await channel.close()
+        self._worker_stubs.clear()
+        if self._channel is not None:
+            await self._channel.close()
+
+    # ------------------------------------------------------------------ calls
+    async def _leader_call(self, name: str, request, timeout: float = CONTROL_TIMEOUT):
+        try:
+            return await getattr(self._leader, name)(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, f"leader {name}") from None
+
+    def _worker(self, worker_id: str) -> rpc.WorkerStub:
+        if worker_id not in self._worker_stubs:
+            info = self.workers.get(worker_id)
+            if info is None:
+                raise KvbmRequestError(f"unknown worker {worker_id!r}; known: {', '.join(self.workers)}")
+            channel = grpc.aio.insecure_channel(info.endpoint, options=GRPC_OPTIONS)
+            self._worker_stubs[worker_id] = (channel, rpc.WorkerStub(channel))
+        return self._worker_stubs[worker_id][1]
+
+    async def status(self) -> "pb.StatusResponse":
+        return await self._leader_call("Status", pb.StatusRequest())
+
+    async def refresh_workers(self) -> None:
+        status = await self.status()
+        self.workers = {w.worker_id: w for w in status.workers}
+
+    async def wait_ready(self, timeout: float = 30.0) -> None:
+        """Wait until every worker of the node has allocated its pools."""
+        end = time.monotonic() + timeout
+        while True:
+            resp = await self._leader_call("KeepAlive", pb.KeepAliveRequest(session_id=self.session_id))
+            if resp.ready:
+                await self.refresh_workers()
+                return
+            if time.monotonic() > end:
+                raise KvbmTimeoutError(f"kvbm not ready after {timeout:g}s")
+            await asyncio.sleep(0.05)
+
+    async def register_region(self, worker_id: str, spec: RegionSpec) -> str:
+        """Hand an engine KV region to a worker; returns its region id."""
+        if not self.workers:
+            await self.refresh_workers()
+        try:
+            resp = await self._worker(worker_id).RegisterRegion(spec.to_request(), timeout=CONTROL_TIMEOUT)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, f"worker {worker_id} RegisterRegion") from None
+        self.regions[worker_id] = resp.region_id
+        return resp.region_id
+
+    async def unregister_region(self, worker_id: str) -> None:
+        region_id = self.regions.pop(worker_id, None)
+        if region_id is None:
+            return
+        try:
+            await self._worker(worker_id).UnregisterRegion(pb.UnregisterRegionRequest(region_id=region_id),
+                                                           timeout=CONTROL_TIMEOUT)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, f"worker {worker_id} UnregisterRegion") from None
+
+    async def match(self, hashes: Sequence[BlockHash], tokens_per_block: int = 0,
+                    count_hit: bool = True) -> MatchResult:
+        resp = await self._leader_call("Match", pb.MatchRequest(
+            session_id=self.session_id, hashes=list(hashes), count_hit=count_hit, tokens_per_block=tokens_per_block))
+        return MatchResult(resp.num_matched, tuple(Tier(t) for t in resp.tiers))
+
+    # ------------------------------------------------------------------ transfers
+    async def prepare_store(self, hashes: Sequence[BlockHash],
+                            parents: Sequence[BlockHash] | None = None) -> TransferHandle:
+        resp = await self._leader_call("PrepareStore", pb.PrepareStoreRequest(
+            session_id=self.session_id, hashes=list(hashes), parent_hashes=list(parents or [])))
+        return self._handle(PlanKind.STORE, resp.plan if resp.HasField("plan") else None, len(resp.indices),
+                            tuple(resp.indices), resp.skipped_present, resp.skipped_full)
+
+    async def prepare_load(self, hashes: Sequence[BlockHash]) -> TransferHandle:
+        resp = await self._leader_call("PrepareLoad", pb.PrepareLoadRequest(
+            session_id=self.session_id, hashes=list(hashes)))
+        return self._handle(PlanKind.LOAD, resp.plan if resp.HasField("plan") else None, resp.num_planned,
+                            tuple(range(resp.num_planned)))
+
+    @staticmethod
+    def _handle(kind: PlanKind, signed, n: int, indices: tuple[int, ...], present: int = 0,
+                full: int = 0) -> TransferHandle:
+        if signed is None:
+            return TransferHandle(kind, None, 0, (), present, full)
+        plan = pb.TransferPlan()
+        plan.ParseFromString(signed.plan)
+        return TransferHandle(kind, JobId(plan.job_id), n, indices, present, full, plan.deadline, signed)
+
+    def start(self, handle: TransferHandle, engine_blocks: Sequence[int],
+              worker_ids: Sequence[str] | None = None) -> None:
+        """Send the planned entries' engine blocks to each worker (one call per worker)."""
+        if handle.is_empty:
+            return
+        blocks = list(engine_blocks)
+        if len(blocks) != handle.num_blocks:
+            raise KvbmRequestError(f"{len(blocks)} engine blocks for {handle.num_blocks} planned entries")
+        for worker_id in worker_ids or list(self.workers):
+            region_id = self.regions.get(worker_id)
+            if region_id is None:
+                raise KvbmRequestError(f"no engine region registered on worker {worker_id}")
+            request = pb.TransferRequest(region_id=region_id, plan=handle.signed, engine_blocks=blocks)
+            timeout = max(1.0, handle.deadline - time.monotonic()) * 2 + 5
+            handle.tasks.append(asyncio.ensure_future(self._worker(worker_id).Transfer(request, timeout=timeout)))
+
+    async def offload(self, hashes: Sequence[BlockHash], engine_blocks: Sequence[int],
+                      parents: Sequence[BlockHash] | None = None) -> TransferHandle:
+        """Store engine blocks under ``hashes``; entries already stored or not fitting are skipped."""
+        if len(hashes) != len(engine_blocks):
+            raise KvbmRequestError(f"{len(hashes)} hashes for {len(engine_blocks)} engine blocks")
+        handle = await self.prepare_store(hashes, parents)
+        self.start(handle, [engine_blocks[i] for i in handle.indices])
+        return handle
+
+    async def onboard(self, hashes: Sequence[BlockHash], engine_blocks: Sequence[int]) -> TransferHandle:
+        """Load the longest stored prefix of ``hashes`` into ``engine_blocks[:n]``."""
+        if len(hashes) != len(engine_blocks):
+            raise KvbmRequestError(f"{len(hashes)} hashes for {len(engine_blocks)} engine blocks")
+        handle = await self.prepare_load(hashes)
+        self.start(handle, list(engine_blocks[:handle.num_blocks]))
+        return handle
+
+    async def wait(self, handle: TransferHandle) -> TransferResult:
+        """Wait for every worker's answer; raises a :class:`KvbmError` on any failure."""
+        if handle.is_empty:
+            return TransferResult(None, 0, 0, 0.0)
+        results = await asyncio.gather(*handle.tasks, return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            err = errors[0]
+            if isinstance(err, grpc.RpcError):
+                raise from_rpc_error(err, f"job {handle.job_id}") from None
+            raise KvbmUnavailableError(f"job {handle.job_id}: {err}") from err
+        return TransferResult(handle.job_id, handle.num_blocks, sum(r.bytes for r in results),
+                              max(r.seconds for r in results))
+
+    async def release(self, handle: TransferHandle) -> None:
+        """Give back a prepared job that will not be started (unpins a load)."""
+        if handle.is_empty or handle.tasks:
+            return
+        await self._leader_call("Release", pb.ReleaseRequest(session_id=self.session_id, job_id=handle.job_id))
+
+
+class KvbmClient:
+    """Synchronous facade: runs an :class:`AsyncKvbmClient` on a private event-loop thread."""
+
+    def __init__(self, config: KvbmConfig | None = None, leader_address: str | None = None,
+                 client_name: str = "kvbm-client", timeout: float = CONTROL_TIMEOUT) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvbm-client", daemon=True)
+        self._thread.start()
+        try:
+            self.aio: AsyncKvbmClient = self._run(
+                AsyncKvbmClient.connect(config, leader_address, client_name, timeout), timeout + 5)
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = 120.0) -> T:
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            future.cancel()
+            raise KvbmTimeoutError(f"kvbm call did not finish within {timeout}s") from None
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        self._loop.close()
+
+    def __getattr__(self, name: str):
+        attr = getattr(self.aio, name)
+        if asyncio.iscoroutinefunction(attr):
+            return lambda *a, **kw: self._run(attr(*a, **kw))
+        return attr
+
+    def start(self, handle: TransferHandle, engine_blocks: Sequence[int],
+              worker_ids: Sequence[str] | None = None) -> None:
+        async def _start() -> None:
+            self.aio.start(handle, engine_blocks, worker_ids)
+        self._run(_start())
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        try:
+            self._run(self.aio.close(), 10)
+        finally:
+            self._stop_loop()
+
+    def __enter__(self) -> "KvbmClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

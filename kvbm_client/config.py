@@ -1,0 +1,223 @@
+"""Configuration: the ``DYN_KVBM_*`` environment variables of NVIDIA Dynamo KVBM, same names,
+meanings and defaults, plus a few of kvbm's own (marked "kvbm" below).
+
+One table (:data:`OPTIONS`) drives the environment parser, every daemon's ``--help`` and
+the README's configuration table, so the three never disagree.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from .errors import KvbmConfigError
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def parse_bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise ValueError(f"not a boolean: {text!r} (use true/false or 1/0)")
+
+
+def _opt_float(text: str) -> float | None:
+    return None if text.strip() == "" else float(text)
+
+
+def _opt_int(text: str) -> int | None:
+    return None if text.strip() == "" else int(text)
+
+
+@dataclass(frozen=True)
+class Option:
+    field: str
+    env: str
+    parse: Callable[[str], Any]
+    default: Any
+    help: str
+    origin: str = "Dynamo"
+
+
+def default_socket_dir() -> str:
+    return os.path.join(os.environ.get("XDG_RUNTIME_DIR") or "/tmp", f"kvbm-{os.getuid()}")
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("cpu_cache_gb", "DYN_KVBM_CPU_CACHE_GB", _opt_float, None,
+           "G2 host cache size in GB (1e9 bytes), summed over the node's workers."),
+    Option("disk_cache_gb", "DYN_KVBM_DISK_CACHE_GB", _opt_float, None,
+           "G3 disk cache size in GB. Alone (no CPU cache) it selects the disk-only mode G1->G3."),
+    Option("cpu_cache_override_num_blocks", "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS", _opt_int, None,
+           "Exact number of G2 blocks; overrides DYN_KVBM_CPU_CACHE_GB."),
+    Option("disk_cache_override_num_blocks", "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS", _opt_int, None,
+           "Exact number of G3 blocks; overrides DYN_KVBM_DISK_CACHE_GB."),
+    Option("disk_cache_dir", "DYN_KVBM_DISK_CACHE_DIR", str, "/tmp",
+           "Directory of the G3 files kvbm-disk-cache-*."),
+    Option("disable_disk_offload_filter", "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER", parse_bool, False,
+           "Offload every block evicted from G2 to G3, not only blocks with frequency >= 2."),
+    Option("leader_worker_init_timeout_secs", "DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS", float, 1800.0,
+           "How long the leader waits for its workers to attach and allocate their pools."),
+    Option("disk_zerofill_fallback", "DYN_KVBM_DISK_ZEROFILL_FALLBACK", parse_bool, False,
+           "When fallocate() is unsupported, size the disk file by writing zeros."),
+    Option("disk_disable_o_direct", "DYN_KVBM_DISK_DISABLE_O_DIRECT", parse_bool, False,
+           "Open the disk file without O_DIRECT (for filesystems that reject it with EINVAL)."),
+    Option("metrics", "DYN_KVBM_METRICS", parse_bool, False, "Serve Prometheus metrics."),
+    Option("metrics_port", "DYN_KVBM_METRICS_PORT", int, 6880, "Port of the /metrics endpoint."),
+    Option("metrics_addr", "DYN_KVBM_METRICS_ADDR", str, "127.0.0.1",
+           "Address the /metrics endpoint binds to.", "kvbm"),
+    Option("socket_dir", "DYN_KVBM_SOCKET_DIR", str, None,
+           "Directory (mode 0700) of the leader's and workers' unix sockets "
+           "[default: $XDG_RUNTIME_DIR/kvbm-UID or /tmp/kvbm-UID].", "kvbm"),
+    Option("leader_address", "DYN_KVBM_LEADER_ADDRESS", str, None,
+           "Leader gRPC address: unix:/path or host:port [default: unix socket in the socket dir].",
+           "kvbm"),
+    Option("disk_filter_decay_secs", "DYN_KVBM_DISK_FILTER_DECAY_SECS", float, 600.0,
+           "Period of the frequency decay step (every count drops by 1).", "kvbm"),
+    Option("disk_filter_max_entries", "DYN_KVBM_DISK_FILTER_MAX_ENTRIES", int, 1_000_000,
+           "Bound of the frequency table (least recently seen entries are dropped).", "kvbm"),
+    Option("job_timeout_secs", "DYN_KVBM_JOB_TIMEOUT_SECS", float, 30.0,
+           "Deadline of one transfer job; workers refuse to start a job past it.", "kvbm"),
+    Option("session_ttl_secs", "DYN_KVBM_SESSION_TTL_SECS", float, 10.0,
+           "A client that stops renewing for this long loses its pins and pending jobs.", "kvbm"),
+    Option("max_hashes", "DYN_KVBM_MAX_HASHES_PER_REQUEST", int, 65536,
+           "Longest hash list one request may carry.", "kvbm"),
+    Option("host_free_watermark", "DYN_KVBM_HOST_FREE_WATERMARK", float, 0.05,
+           "Fraction of G2 kept free by background demotion/eviction.", "kvbm"),
+)
+
+_BY_FIELD = {o.field: o for o in OPTIONS}
+
+
+@dataclass(frozen=True)
+class KvbmConfig:
+    """Validated node configuration; build it with :meth:`from_env`."""
+
+    cpu_cache_gb: float | None = None
+    disk_cache_gb: float | None = None
+    cpu_cache_override_num_blocks: int | None = None
+    disk_cache_override_num_blocks: int | None = None
+    disk_cache_dir: str = "/tmp"
+    disable_disk_offload_filter: bool = False
+    leader_worker_init_timeout_secs: float = 1800.0
+    disk_zerofill_fallback: bool = False
+    disk_disable_o_direct: bool = False
+    metrics: bool = False
+    metrics_port: int = 6880
+    metrics_addr: str = "127.0.0.1"
+    socket_dir: str | None = None
+    leader_address: str | None = None
+    disk_filter_decay_secs: float = 600.0
+    disk_filter_max_entries: int = 1_000_000
+    job_timeout_secs: float = 30.0
+    session_ttl_secs: float = 10.0
+    max_hashes: int = 65536
+    host_free_watermark: float = 0.05
+
+    # ---- derived -------------------------------------------------------------------
+    @property
+    def host_enabled(self) -> bool:
+        return bool(self.cpu_cache_override_num_blocks) or bool(self.cpu_cache_gb)
+
+    @property
+    def disk_enabled(self) -> bool:
+        return bool(self.disk_cache_override_num_blocks) or bool(self.disk_cache_gb)
+
+    @property
+    def disk_only(self) -> bool:
+        return self.disk_enabled and not self.host_enabled
+
+    @property
+    def resolved_socket_dir(self) -> str:
+        return self.socket_dir or default_socket_dir()
+
+    @property
+    def resolved_leader_address(self) -> str:
+        return self.leader_address or "unix:" + os.path.join(self.resolved_socket_dir, "leader.sock")
+
+    def worker_address(self, worker_id: str) -> str:
+        return "unix:" + os.path.join(self.resolved_socket_dir, f"worker-{worker_id}.sock")
+
+    # ---- construction --------------------------------------------------------------
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "KvbmConfig":
+        """Read every option from ``env`` (default: ``os.environ``); ``overrides`` win."""
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for opt in OPTIONS:
+            raw = env.get(opt.env)
+            if raw is None:
+                continue
+            try:
+                values[opt.field] = opt.parse(raw)
+            except ValueError as exc:
+                raise KvbmConfigError(f"{opt.env}={raw!r}: {exc}") from None
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        cfg = cls(**values)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        for name in ("cpu_cache_gb", "disk_cache_gb", "cpu_cache_override_num_blocks",
+                     "disk_cache_override_num_blocks"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise KvbmConfigError(f"{_BY_FIELD[name].env} must be >= 0, got {value}")
+        if self.leader_worker_init_timeout_secs <= 0:
+            raise KvbmConfigError("DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS must be > 0")
+        if not 0 < self.metrics_port < 65536:
+            raise KvbmConfigError(f"DYN_KVBM_METRICS_PORT out of range: {self.metrics_port}")
+        if self.max_hashes <= 0 or self.job_timeout_secs <= 0 or self.session_ttl_secs <= 0:
+            raise KvbmConfigError("max hashes, job timeout and session TTL must be positive")
+        if not 0 <= self.host_free_watermark < 1:
+            raise KvbmConfigError("DYN_KVBM_HOST_FREE_WATERMARK must be in [0, 1)")
+
+    def require_tier(self) -> None:
+        """Raise a clear startup error when no cache tier is configured."""
+        if not (self.host_enabled or self.disk_enabled):
+            raise KvbmConfigError(
+                "no cache tier configured: set DYN_KVBM_CPU_CACHE_GB (G2 host memory) and/or "
+                "DYN_KVBM_DISK_CACHE_GB (G3 disk), or the *_OVERRIDE_NUM_BLOCKS variables")
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, fields: tuple[str, ...] | None = None) -> None:
+    """Add one ``--flag`` per option (or per listed field); each help names its env variable."""
+    group = parser.add_argument_group("configuration (flags override the environment)")
+    for opt in OPTIONS:
+        if fields is not None and opt.field not in fields:
+            continue
+        flag = "--" + opt.field.replace("_", "-")
+        kind = {bool: "true|false"}.get(type(opt.default), "VALUE")
+        group.add_argument(flag, dest=opt.field, default=None, metavar=kind,
+                           help=f"{opt.help} [env {opt.env}, default {opt.default}]")
+
+
+def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> KvbmConfig:
+    """Environment first, then any flag given on the command line."""
+    overrides: dict[str, Any] = {}
+    for opt in OPTIONS:
+        raw = getattr(args, opt.field, None)
+        if raw is None:
+            continue
+        try:
+            overrides[opt.field] = opt.parse(str(raw))
+        except ValueError as exc:
+            raise KvbmConfigError(f"--{opt.field.replace('_', '-')}={raw!r}: {exc}") from None
+    return KvbmConfig.from_env(env, **overrides)
+
+
+def config_to_env(cfg: KvbmConfig) -> dict[str, str]:
+    """The environment that reproduces ``cfg`` in a child process."""
+    out: dict[str, str] = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if value is None:
+            continue
+        out[_BY_FIELD[f.name].env] = str(value).lower() if isinstance(value, bool) else str(value)
+    return out

@@ -1,0 +1,49 @@
+"""The gRPC contract's Python side: generated messages and stubs, plus plan signing.
+
+Generated code lives in ``kvbm_client/_gen`` (committed; ``python proto/generate.py --check``
+verifies it is current). Everything else imports the contract from here.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+from ._gen.kvbm.v1 import kvbm_pb2 as pb
+from ._gen.kvbm.v1 import kvbm_pb2_grpc as rpc
+from .ids import PlanKind, Tier
+
+__all__ = ["pb", "rpc", "sign_plan", "verify_plan", "GRPC_OPTIONS"]
+
+#: Channel/server options shared by every side: large batches fit, dead peers are noticed.
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+
+def sign_plan(plan: "pb.TransferPlan", secret: bytes) -> "pb.SignedPlan":
+    """Serialize ``plan`` and sign it with the leader's secret."""
+    data = plan.SerializeToString(deterministic=True)
+    return pb.SignedPlan(plan=data, signature=hmac.new(secret, data, hashlib.sha256).digest())
+
+
+def verify_plan(signed: "pb.SignedPlan", secret: bytes) -> "pb.TransferPlan | None":
+    """Return the plan when its signature is the leader's, else ``None``."""
+    expected = hmac.new(secret, signed.plan, hashlib.sha256).digest()
+    if not hmac.compare_digest(expected, signed.signature):
+        return None
+    plan = pb.TransferPlan()
+    plan.ParseFromString(signed.plan)
+    return plan
+
+
+def plan_tiers(plan: "pb.TransferPlan") -> list[Tier]:
+    return [Tier(t) for t in plan.tiers]
+
+
+def plan_kind(plan: "pb.TransferPlan") -> PlanKind:
+    return PlanKind(plan.kind)

@@ -1,0 +1,159 @@
+"""The leader daemon's shell: sockets, metrics, the worker barrier, the tick loop, signals.
+
+Lifecycle (ordered, idempotent): ``start()`` binds the gRPC server, then metrics;
+``close()`` stops them in reverse order. ``run()`` adds the init barrier and waits for
+SIGINT/SIGTERM.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import time
+
+import grpc
+
+from kvbm_client.config import KvbmConfig, add_config_arguments, config_from_args
+from kvbm_client.contract import GRPC_OPTIONS, rpc
+from kvbm_client.endpoints import (is_unix, prepare_unix_socket, remove_unix_socket,
+                                   secure_unix_socket)
+from kvbm_client.errors import KvbmConfigError
+from kvbm_client.ids import WorkerId
+from kvbm_client.logs import setup_logging
+
+from .service import LeaderService
+
+log = logging.getLogger("kvbm.leader")
+TICK_SECONDS = 0.1
+
+
+class LeaderDaemon:
+    """One per node. Owns the :class:`LeaderService` and its server."""
+
+    def __init__(self, config: KvbmConfig, workers: list[WorkerId], address: str | None = None) -> None:
+        self.config = config
+        self.address = address or config.resolved_leader_address
+        self.service = LeaderService(config, workers)
+        self._server: grpc.aio.Server | None = None
+        self._ticker: asyncio.Task | None = None
+        self._started = False
+        self._closed = False
+
+    async def start(self) -> None:
+        if self._started:
+            raise RuntimeError("LeaderDaemon.start() called twice")
+        self._started = True
+        self._server = grpc.aio.server(options=GRPC_OPTIONS)
+        rpc.add_LeaderServicer_to_server(self.service, self._server)
+        if is_unix(self.address):
+            prepare_unix_socket(self.address)
+        self._server.add_insecure_port(self.address)
+        await self._server.start()
+        if is_unix(self.address):
+            secure_unix_socket(self.address)
+        if self.config.metrics:
+            self.service.metrics.serve(self.config.metrics_port, self.config.metrics_addr)
+            log.info("metrics on http://%s:%d/metrics", self.config.metrics_addr, self.config.metrics_port)
+        self._ticker = asyncio.ensure_future(self._tick_loop())
+        log.info("leader %s listening on %s; expecting workers %s", self.service.leader_id, self.address,
+                 ", ".join(self.service.membership.expected))
+
+    async def _tick_loop(self) -> None:
+        next_decay = time.monotonic() + self.config.disk_filter_decay_secs
+        while True:
+            await asyncio.sleep(TICK_SECONDS)
+            now = time.monotonic()
+            try:
+                self.service.tick(now)
+                if now >= next_decay:
+                    self.service.frequency.decay()
+                    next_decay = now + self.config.disk_filter_decay_secs
+            except Exception:  # a bug here must not stop expiry for good
+                log.exception("leader tick failed")
+
+    async def wait_for_workers(self) -> None:
+        """The init barrier: every expected worker attaches within the init timeout."""
+        timeout = self.config.leader_worker_init_timeout_secs
+        if not await self.service.wait_attached(timeout):
+            missing = self.service.membership.missing
+            raise TimeoutError(f"workers {', '.join(missing)} did not attach within {timeout:g}s "
+                               "(DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS)")
+        log.info("all %d workers attached", len(self.service.membership.expected))
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await self.service.close()
+        if self._ticker is not None:
+            self._ticker.cancel()
+        if self._server is not None:
+            await self._server.stop(grace=1.0)
+        remove_unix_socket(self.address)
+        log.info("leader stopped")
+
+
+async def run(config: KvbmConfig, workers: list[WorkerId], address: str | None) -> int:
+    daemon = LeaderDaemon(config, workers, address)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    code = 0
+    try:
+        await daemon.start()
+        barrier = asyncio.ensure_future(daemon.wait_for_workers())
+        stopper = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({barrier, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if barrier.done() and barrier.exception() is not None:
+            log.error("%s", barrier.exception())
+            code = 3
+        else:
+            await stopper
+        barrier.cancel()
+        stopper.cancel()
+    finally:
+        await daemon.close()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+    return code
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvbm-leader",
+        description="kvbm leader daemon (one per node): owns block metadata, tier placement, eviction "
+                    "and the disk offload filter; serves gRPC to connectors and workers.")
+    parser.add_argument("--num-workers", type=int, default=1,
+                        help="workers expected on this node, with ids 0..N-1 (one per GPU) [default 1]")
+    parser.add_argument("--workers", default=None,
+                        help="comma-separated worker ids expected instead of 0..N-1")
+    parser.add_argument("--listen", default=None,
+                        help="gRPC address: unix:/path or host:port (TCP is opt-in) "
+                             "[default: DYN_KVBM_LEADER_ADDRESS or <socket dir>/leader.sock]")
+    add_config_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging("kvbm-leader")
+    try:
+        config = config_from_args(args)
+        config.require_tier()
+    except KvbmConfigError as exc:
+        print(f"kvbm-leader: {exc}", file=sys.stderr)
+        return 2
+    workers = [WorkerId(w) for w in args.workers.split(",")] if args.workers else \
+        [WorkerId(str(i)) for i in range(args.num_workers)]
+    try:
+        import uvloop
+        return uvloop.run(run(config, workers, args.listen))
+    except ImportError:  # pragma: no cover - uvloop is a dependency
+        return asyncio.run(run(config, workers, args.listen))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

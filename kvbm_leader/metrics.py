@@ -1,0 +1,90 @@
+"""Leader metrics, under Dynamo KVBM's names, served on ``DYN_KVBM_METRICS_PORT``.
+
+NOTE: the eight seed names are exported exactly as Dynamo spells them (no ``_total``
+suffix, which prometheus-client adds to counter types), so dashboards built for Dynamo
+work unchanged; the offload/onboard/matched series are monotonic (use ``rate()``).
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvbm_client.ids import Tier
+
+COUNTERS = {
+    "kvbm_matched_tokens": "Number of matched tokens",
+    "kvbm_offload_blocks_d2h": "Offload blocks from device to host",
+    "kvbm_offload_blocks_h2d": "Offload blocks from host to disk",
+    "kvbm_offload_blocks_d2d": "Offload blocks from device to disk (bypassing host)",
+    "kvbm_onboard_blocks_h2d": "Onboard blocks from host to device",
+    "kvbm_onboard_blocks_d2d": "Onboard blocks from disk to device",
+    "kvbm_offload_skipped_present": "Offload requests skipped: block already stored",
+    "kvbm_offload_skipped_full": "Offload requests skipped: target pool full or not ready",
+    "kvbm_evicted_blocks": "Blocks dropped from the cache by eviction",
+    "kvbm_failed_jobs": "Transfer jobs rolled back (worker failure, timeout, release)",
+    "kvbm_lost_blocks": "Blocks dropped because a worker's pools were lost",
+}
+
+
+@dataclass
+class HitWindow:
+    """Sliding window over the last ``size`` lookups (in blocks)."""
+
+    size: int = 1024
+    _samples: collections.deque = field(default_factory=lambda: collections.deque(maxlen=1024))
+
+    def add(self, queried: int, host: int, disk: int) -> None:
+        if queried:
+            self._samples.append((queried, host, disk))
+
+    def rates(self) -> tuple[float, float]:
+        queried = sum(s[0] for s in self._samples)
+        if not queried:
+            return 0.0, 0.0
+        return (sum(s[1] for s in self._samples) / queried, sum(s[2] for s in self._samples) / queried)
+
+
+class LeaderMetrics(Collector):
+    """Counters kept by the leader plus gauges read at scrape time from ``pool_usage``."""
+
+    def __init__(self, pool_usage: Callable[[], dict[Tier, tuple[int, int, int]]]) -> None:
+        self.values: dict[str, float] = dict.fromkeys(COUNTERS, 0.0)
+        self.hits = HitWindow()
+        self._pool_usage = pool_usage
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+        self._server = None
+
+    def inc(self, name: str, amount: float = 1.0) -> None:
+        self.values[name] += amount
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        for name, doc in COUNTERS.items():
+            yield GaugeMetricFamily(name, doc, value=self.values[name])
+        host, disk = self.hits.rates()
+        yield GaugeMetricFamily("kvbm_host_cache_hit_rate", "Host cache hit rate (0.0-1.0)", value=host)
+        yield GaugeMetricFamily("kvbm_disk_cache_hit_rate", "Disk cache hit rate (0.0-1.0)", value=disk)
+        cap = GaugeMetricFamily("kvbm_pool_capacity_blocks", "Blocks a tier can hold", labels=["tier"])
+        used = GaugeMetricFamily("kvbm_pool_used_blocks", "Blocks held (ready or pending)", labels=["tier"])
+        pinned = GaugeMetricFamily("kvbm_pool_pinned_blocks", "Blocks pinned by loads", labels=["tier"])
+        for tier, (c, u, p) in self._pool_usage().items():
+            cap.add_metric([tier.label], c)
+            used.add_metric([tier.label], u)
+            pinned.add_metric([tier.label], p)
+        yield cap
+        yield used
+        yield pinned
+
+    def serve(self, port: int, addr: str) -> None:
+        self._server, _ = start_http_server(port, addr=addr, registry=self.registry)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

@@ -1,0 +1,81 @@
+"""The disk offload filter: which blocks are worth writing to G3 (SSD lifespan protection).
+
+Runs in the leader; pure and synchronous. Dynamo KVBM's rule: a block's frequency is 1 when
+first seen, doubles on each hit, and every decay step lowers every frequency by 1 (entries
+reaching 0 are forgotten). A block may go G2 -> G3 only when its frequency is >= 2.
+
+NOTE: decay is lazy. Each entry remembers the decay step it was last written at, and its
+effective count is ``count - (steps since)``; a decay step is then O(1) instead of a pass
+over up to a million entries that would stall the leader's event loop.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from kvbm_client.ids import BlockHash
+
+OFFLOAD_THRESHOLD = 2
+
+
+class FrequencyFilter:
+    """Bounded frequency table; the least recently touched entry goes first when full."""
+
+    __slots__ = ("max_entries", "enabled", "_table", "_step")
+
+    def __init__(self, max_entries: int = 1_000_000, enabled: bool = True) -> None:
+        if max_entries <= 0:
+            raise ValueError("max_entries must be positive")
+        self.max_entries = max_entries
+        self.enabled = enabled
+        self._table: OrderedDict[BlockHash, tuple[int, int]] = OrderedDict()
+        self._step = 0
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def frequency(self, key: BlockHash) -> int:
+        entry = self._table.get(key)
+        if entry is None:
+            return 0
+        count, step = entry
+        return max(0, count - (self._step - step))
+
+    def _write(self, key: BlockHash, count: int) -> None:
+        if count <= 0:
+            self._table.pop(key, None)
+            return
+        self._table[key] = (count, self._step)
+        self._table.move_to_end(key)
+        while len(self._table) > self.max_entries:
+            self._table.popitem(last=False)
+
+    def observe(self, key: BlockHash) -> int:
+        """First sight of a block (stored): frequency 1 unless already tracked."""
+        freq = self.frequency(key)
+        self._write(key, freq if freq > 0 else 1)
+        return self.frequency(key)
+
+    def hit(self, key: BlockHash) -> int:
+        """A cache hit doubles the frequency (an unknown block counts as first seen, then hit)."""
+        freq = self.frequency(key)
+        self._write(key, 2 * freq if freq > 0 else 2)
+        return self.frequency(key)
+
+    def decay(self, prune_budget: int = 10_000) -> None:
+        """One decay step: every frequency drops by 1; zeros are forgotten.
+
+        Up to ``prune_budget`` forgotten entries are removed now, oldest first; the rest
+        go when touched or pushed out by the bound.
+        """
+        self._step += 1
+        for _ in range(prune_budget):
+            if not self._table:
+                break
+            key = next(iter(self._table))
+            if self.frequency(key) > 0:
+                break
+            del self._table[key]
+
+    def passes(self, key: BlockHash) -> bool:
+        """May this block be offloaded G2 -> G3?"""
+        return (not self.enabled) or self.frequency(key) >= OFFLOAD_THRESHOLD

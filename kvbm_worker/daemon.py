@@ -1,0 +1,272 @@
+"""The worker daemon's shell: its gRPC server, the attach stream to the leader (re-attached
+after a leader restart), pool allocation on the leader's plans, signals.
+
+Lifecycle (ordered, idempotent): ``start()`` binds the server then attaches; ``close()``
+detaches, stops the server, drains copies, and frees pools and disk files in reverse.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+import grpc
+
+from kvbm_client.config import KvbmConfig, add_config_arguments, config_from_args
+from kvbm_client.contract import GRPC_OPTIONS, pb, rpc
+from kvbm_client.endpoints import is_unix, prepare_unix_socket, remove_unix_socket, secure_unix_socket
+from kvbm_client.errors import KvbmConfigError
+from kvbm_client.logs import setup_logging
+
+from .handlers.disk import open_disk_io
+from .pools import DiskPool, HostPool, SlotGeometry
+from .service import Pools, WorkerService
+from .transfers import TransferEngine
+
+log = logging.getLogger("kvbm.worker")
+
+
+class WorkerDaemon:
+    """One per GPU (or ``--cpu``). Owns the :class:`WorkerService`, its pools and files."""
+
+    def __init__(self, config: KvbmConfig, worker_id: str, rank: int, address: str | None = None,
+                 leader_address: str | None = None, prefer_nixl: bool = True) -> None:
+        self.config = config
+        self.worker_id = worker_id
+        self.rank = rank
+        self.address = address or config.worker_address(worker_id)
+        self.leader_address = leader_address or config.resolved_leader_address
+        self.prefer_nixl = prefer_nixl
+        self.service = WorkerService(worker_id, rank, self._report)
+        self.service._on_layout = self._send_layout
+        self._server: grpc.aio.Server | None = None
+        self._channel: grpc.aio.Channel | None = None
+        self._leader: rpc.LeaderStub | None = None
+        self._attach_task: asyncio.Task | None = None
+        self._attached = asyncio.Event()
+        self._plan_lock = asyncio.Lock()
+        self.leader_shutdown = asyncio.Event()
+        self._started = self._closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        if self._started:
+            raise RuntimeError("WorkerDaemon.start() called twice")
+        self._started = True
+        self._server = grpc.aio.server(options=GRPC_OPTIONS)
+        rpc.add_WorkerServicer_to_server(self.service, self._server)
+        if is_unix(self.address):
+            prepare_unix_socket(self.address)
+        self._server.add_insecure_port(self.address)
+        await self._server.start()
+        if is_unix(self.address):
+            secure_unix_socket(self.address)
+        self._channel = grpc.aio.insecure_channel(self.leader_address, options=GRPC_OPTIONS)
+        self._leader = rpc.LeaderStub(self._channel)
+        self._attach_task = asyncio.ensure_future(self._attach_loop())
+        log.info("worker %s (rank %d) listening on %s; leader %s", self.worker_id, self.rank, self.address,
+                 self.leader_address)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.service.closing = True
+        if self._attach_task is not None:
+            self._attach_task.cancel()
+            try:
+                await self._attach_task
+            except (asyncio.CancelledError, Exception):
+                pass
+        if self._server is not None:
+            await self._server.stop(grace=1.0)
+        await self.service.drain()
+        self.service.shutdown_lanes()
+        if self.service.pools is not None:
+            self.service.pools.close()
+            self.service.pools = None
+        if self.service.region is not None:
+            self.service.region.close()
+            self.service.region = None
+        if self._channel is not None:
+            await self._channel.close()
+        remove_unix_socket(self.address)
+        log.info("worker %s stopped", self.worker_id)
+
+    # ------------------------------------------------------------------ leader link
+    async def _attach_loop(self) -> None:
+        backoff = 0.1
+        while not self.service.closing:
+            try:
+                stream = self._leader.Attach(pb.AttachRequest(
+                    worker_id=self.worker_id, rank=self.rank, endpoint=self.address, pid=os.getpid(), cuda=False))
+                async for event in stream:
+                    backoff = 0.1
+                    await self._on_event(event)
+                    if event.HasField("shutdown"):
+                        log.info("leader shut down: %s", event.shutdown.reason)
+                        self.leader_shutdown.set()
+                        break
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.ALREADY_EXISTS:
+                    log.error("leader refused attach: %s", exc.details())
+                elif exc.code() == grpc.StatusCode.NOT_FOUND:
+                    log.error("leader refused attach: %s", exc.details())
+                else:
+                    log.debug("attach stream ended: %s", exc.code().name)
+            self._attached.clear()
+            self.service.secret = None
+            if self.service.closing:
+                return
+            await asyncio.sleep(backoff)
+            backoff = min(2.0, backoff * 2)
+
+    async def _on_event(self, event) -> None:
+        which = event.WhichOneof("event")
+        if which == "welcome":
+            self.service.secret = event.welcome.secret
+            self.service.leader_id = event.welcome.leader_id
+            self._attached.set()
+            log.info("attached to leader %s", event.welcome.leader_id)
+            await self._send_layout()
+        elif which == "pools":
+            await self._apply_plan(event.pools)
+
+    async def _send_layout(self) -> None:
+        layout = self.service.layout()
+        if layout is None or not self._attached.is_set():
+            return
+        try:
+            await self._leader.SetLayout(pb.SetLayoutRequest(worker_id=self.worker_id, layout=layout), timeout=10)
+        except grpc.RpcError as exc:
+            log.warning("could not send the layout to the leader: %s", exc.details())
+
+    async def _report(self, job_id: int, ok: bool, error: str, moved: int, seconds: float) -> bool:
+        try:
+            resp = await self._leader.CompleteTransfer(pb.CompleteTransferRequest(
+                worker_id=self.worker_id, job_id=job_id, ok=ok, error=error, bytes=moved, seconds=seconds),
+                timeout=10)
+            return resp.committed
+        except grpc.RpcError as exc:
+            log.warning("could not report job %d to the leader: %s", job_id, exc.details())
+            return False
+
+    # ------------------------------------------------------------------ pools
+    async def _apply_plan(self, plan) -> None:
+        async with self._plan_lock:
+            layout = self.service.layout()
+            if layout is None:
+                return
+            block_bytes = layout.num_layers * layout.page_bytes
+            host_geo = SlotGeometry.of(block_bytes, plan.host_slots)
+            disk_geo = SlotGeometry.of(block_bytes, plan.disk_slots)
+            old = self.service.pools
+            ok, error = True, ""
+            if old is not None and _same(old.host, host_geo) and _same(old.disk, disk_geo):
+                old.epoch = plan.epoch  # same geometry: keep the memory, contents are now void
+                log.info("pools kept for epoch %d", plan.epoch)
+            else:
+                self.service.pools = None
+                await self.service.drain()
+                if old is not None:
+                    old.close()
+                try:
+                    self.service.pools = await asyncio.get_running_loop().run_in_executor(
+                        None, self._allocate, plan.epoch, host_geo, disk_geo)
+                except Exception as exc:
+                    ok, error = False, f"{type(exc).__name__}: {exc}"
+                    log.error("pool allocation failed: %s", error)
+            try:
+                await self._leader.PoolsReady(pb.PoolsReadyRequest(
+                    worker_id=self.worker_id, epoch=plan.epoch, ok=ok, error=error), timeout=10)
+            except grpc.RpcError as exc:
+                log.warning("could not report pools ready: %s", exc.details())
+
+    def _allocate(self, epoch: int, host_geo: SlotGeometry, disk_geo: SlotGeometry) -> Pools:
+        cfg = self.config
+        host = disk = None
+        try:
+            if host_geo.num_slots:
+                log.info("allocating G2: %d slots x %d bytes = %.2f GB", host_geo.num_slots, host_geo.slot_bytes,
+                         host_geo.total_bytes / 1e9)
+                host = HostPool(host_geo)
+                host.commit(self._progress)
+            disk_io = None
+            if disk_geo.num_slots:
+                disk = DiskPool(disk_geo, cfg.disk_cache_dir, o_direct=not cfg.disk_disable_o_direct,
+                                zerofill_fallback=cfg.disk_zerofill_fallback)
+                disk_io = open_disk_io(disk.fd, disk_geo.total_bytes, f"kvbm-worker-{self.worker_id}-{os.getpid()}",
+                                       prefer_nixl=self.prefer_nixl)
+                log.info("G3: %s, %d slots (%.2f GB), I/O via %s", disk.path, disk_geo.num_slots,
+                         disk_geo.total_bytes / 1e9, disk_io.name)
+            engine = TransferEngine(host, disk, disk_io)
+            return Pools(epoch, host, disk, engine, disk_io.name if disk_io else "")
+        except BaseException:
+            for pool in (disk, host):
+                if pool is not None:
+                    pool.close()
+            raise
+
+    def _progress(self, fraction: float) -> None:
+        self.service.alloc_progress = fraction
+        log.debug("G2 allocation %.0f%%", fraction * 100)
+
+
+def _same(pool, geometry: SlotGeometry) -> bool:
+    if pool is None:
+        return geometry.num_slots == 0
+    return pool.geometry == geometry
+
+
+async def run(daemon: WorkerDaemon) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await daemon.start()
+        await stop.wait()
+    finally:
+        await daemon.close()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvbm-worker",
+        description="kvbm worker daemon (one per GPU): owns the G2 host pool and G3 disk file of its GPU, "
+                    "maps the engine's KV memory and moves blocks on the leader's signed plans.")
+    parser.add_argument("--worker-id", default="0", help="this worker's id, as the leader expects it [default 0]")
+    parser.add_argument("--rank", type=int, default=None, help="engine rank (TP rank) [default: the worker id]")
+    parser.add_argument("--listen", default=None,
+                        help="gRPC address: unix:/path or host:port [default <socket dir>/worker-ID.sock]")
+    parser.add_argument("--leader", default=None, help="leader address [default DYN_KVBM_LEADER_ADDRESS or "
+                                                       "<socket dir>/leader.sock]")
+    parser.add_argument("--cpu", action="store_true",
+                        help="CPU engine: the KV cache is shared memory (the only mode this build runs)")
+    parser.add_argument("--no-nixl", action="store_true", help="use preadv/pwritev for disk I/O instead of NIXL")
+    add_config_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(f"kvbm-worker-{args.worker_id}")
+    try:
+        config = config_from_args(args)
+    except KvbmConfigError as exc:
+        print(f"kvbm-worker: {exc}", file=sys.stderr)
+        return 2
+    rank = args.rank if args.rank is not None else (int(args.worker_id) if args.worker_id.isdigit() else 0)
+    daemon = WorkerDaemon(config, args.worker_id, rank, args.listen, args.leader, prefer_nixl=not args.no_nixl)
+    import uvloop
+    return uvloop.run(run(daemon))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
