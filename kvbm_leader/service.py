@@ -331,7 +331,8 @@ class LeaderService(rpc.LeaderServicer):
     async def CompleteTransfer(self, request, context):
         record = await self._worker(request.worker_id, context)
         state = self._report(JobId(request.job_id), record.worker_id, request.ok, request.error)
-        return pb.CompleteTransferResponse(committed=state is JobState.CONFIRMED)
+        return pb.CompleteTransferResponse(committed=state is JobState.CONFIRMED,
+                                           accepted=state in (JobState.CONFIRMED, JobState.PENDING))
 
     def _report(self, job_id: JobId, worker_id: WorkerId, ok: bool, error: str) -> JobState | None:
         """One worker's word on a job; settles the job once it is decided and fully reported."""

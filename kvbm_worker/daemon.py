@@ -149,7 +149,7 @@ class WorkerDaemon:
             resp = await self._leader.CompleteTransfer(pb.CompleteTransferRequest(
                 worker_id=self.worker_id, job_id=job_id, ok=ok, error=error, bytes=moved, seconds=seconds),
                 timeout=10)
-            return resp.committed
+            return resp.accepted
         except grpc.RpcError as exc:
             log.warning("could not report job %d to the leader: %s", job_id, exc.details())
             return False

@@ -73,7 +73,7 @@ class WorkerService(rpc.WorkerServicer):
         self.alloc_progress = 0.0
         self.counters: dict[str, float] = {"bytes_stored": 0, "bytes_loaded": 0, "bytes_demoted": 0,
                                            "jobs_ok": 0, "jobs_failed": 0}
-        self._reporter = reporter  # async (job_id, ok, error, bytes, seconds) -> bool
+        self._reporter = reporter  # async (job_id, ok, error, bytes, seconds) -> accepted
         self._on_layout = None  # async callback when a region (layout) appears
         self._lanes = {"store": ThreadPoolExecutor(1, thread_name_prefix="kvbm-store"),
                        "load": ThreadPoolExecutor(1, thread_name_prefix="kvbm-load")}
@@ -209,8 +209,8 @@ class WorkerService(rpc.WorkerServicer):
         self.counters["jobs_ok"] += 1
         log.debug("job %d %s: %d blocks, %d bytes in %.2f ms", plan.job_id, kind.name.lower(), len(blocks),
                   moved, seconds * 1e3)
-        confirmed = await self._reporter(plan.job_id, True, "", moved, seconds)
-        if kind is PlanKind.STORE and not confirmed:
+        accepted = await self._reporter(plan.job_id, True, "", moved, seconds)
+        if kind is PlanKind.STORE and not accepted:
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"job {plan.job_id}: bytes stored but the leader did not confirm them")
         return pb.TransferResponse(job_id=plan.job_id, bytes=moved, seconds=seconds)

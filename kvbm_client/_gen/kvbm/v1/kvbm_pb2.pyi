@@ -326,10 +326,12 @@ class CompleteTransferRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., job_id: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class CompleteTransferResponse(_message.Message):
-    __slots__ = ("committed",)
+    __slots__ = ("committed", "accepted")
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     committed: bool
-    def __init__(self, committed: _Optional[bool] = ...) -> None: ...
+    accepted: bool
+    def __init__(self, committed: _Optional[bool] = ..., accepted: _Optional[bool] = ...) -> None: ...
 
 class TierStatus(_message.Message):
     __slots__ = ("tier", "capacity_blocks", "used_blocks", "pinned_blocks", "hit_rate")
