@@ -178,7 +178,8 @@ class AsyncKvbmClient:
         if not self.workers:
             await self.refresh_workers()
         try:
-            resp = await self._worker(worker_id).RegisterRegion(spec.to_request(), timeout=CONTROL_TIMEOUT)
+            resp = await self._worker(worker_id).RegisterRegion(spec.to_request(), timeout=CONTROL_TIMEOUT,
+                                                                wait_for_ready=True)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, f"worker {worker_id} RegisterRegion") from None
         self.regions[worker_id] = resp.region_id
@@ -237,7 +238,22 @@ class AsyncKvbmClient:
                 raise KvbmRequestError(f"no engine region registered on worker {worker_id}")
             request = pb.TransferRequest(region_id=region_id, plan=handle.signed, engine_blocks=blocks)
             timeout = max(1.0, handle.deadline - time.monotonic()) * 2 + 5
-            handle.tasks.append(asyncio.ensure_future(self._worker(worker_id).Transfer(request, timeout=timeout)))
+            handle.tasks.append(asyncio.ensure_future(self._transfer(worker_id, request, timeout)))
+
+    async def _transfer(self, worker_id: str, request, timeout: float):
+        try:
+            return await self._worker(worker_id).Transfer(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                await self._forget_worker_channel(worker_id)
+            raise
+
+    async def _forget_worker_channel(self, worker_id: str) -> None:
+        """Drop a channel to a worker that went away, so a restarted worker is dialled afresh
+        (instead of waiting out gRPC's reconnect backoff)."""
+        entry = self._worker_stubs.pop(worker_id, None)
+        if entry is not None:
+            await entry[0].close()
 
     async def offload(self, hashes: Sequence[BlockHash], engine_blocks: Sequence[int],
                       parents: Sequence[BlockHash] | None = None) -> TransferHandle:
