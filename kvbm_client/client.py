@@ -174,9 +174,17 @@ class AsyncKvbmClient:
             await asyncio.sleep(0.05)
 
     async def register_region(self, worker_id: str, spec: RegionSpec) -> str:
-        """Hand an engine KV region to a worker; returns its region id."""
-        if not self.workers:
+        """Hand an engine KV region to a worker; returns its region id. Waits (up to the
+        control timeout) for a worker that has not attached to the leader yet."""
+        end = time.monotonic() + CONTROL_TIMEOUT
+        while worker_id not in self.workers:
             await self.refresh_workers()
+            if worker_id in self.workers:
+                break
+            if time.monotonic() > end:
+                raise KvbmTimeoutError(f"worker {worker_id!r} did not attach to the leader within "
+                                       f"{CONTROL_TIMEOUT:g}s; attached: {', '.join(self.workers) or 'none'}")
+            await asyncio.sleep(0.05)
         try:
             resp = await self._worker(worker_id).RegisterRegion(spec.to_request(), timeout=CONTROL_TIMEOUT,
                                                                 wait_for_ready=True)
