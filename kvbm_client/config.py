@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -167,14 +168,16 @@ class KvbmConfig:
         for name in ("cpu_cache_gb", "disk_cache_gb", "cpu_cache_override_num_blocks",
                      "disk_cache_override_num_blocks"):
             value = getattr(self, name)
-            if value is not None and value < 0:
-                raise KvbmConfigError(f"{_BY_FIELD[name].env} must be >= 0, got {value}")
+            if value is not None and (value < 0 or not math.isfinite(value)):
+                raise KvbmConfigError(f"{_BY_FIELD[name].env} must be a finite number >= 0, got {value}")
         if self.leader_worker_init_timeout_secs <= 0:
             raise KvbmConfigError("DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS must be > 0")
         if not 0 < self.metrics_port < 65536:
             raise KvbmConfigError(f"DYN_KVBM_METRICS_PORT out of range: {self.metrics_port}")
-        if self.max_hashes <= 0 or self.job_timeout_secs <= 0 or self.session_ttl_secs <= 0:
-            raise KvbmConfigError("max hashes, job timeout and session TTL must be positive")
+        for name in ("max_hashes", "job_timeout_secs", "session_ttl_secs", "disk_filter_max_entries",
+                     "disk_filter_decay_secs"):
+            if not getattr(self, name) > 0:
+                raise KvbmConfigError(f"{_BY_FIELD[name].env} must be positive, got {getattr(self, name)}")
         if not 0 <= self.host_free_watermark < 1:
             raise KvbmConfigError("DYN_KVBM_HOST_FREE_WATERMARK must be in [0, 1)")
 

@@ -64,6 +64,11 @@ class Membership:
         self.epoch = 0
 
     @property
+    def members(self) -> list[WorkerId]:
+        """The workers pools are planned over: the expected ones, or (none expected) the attached."""
+        return self.expected if self.expected else sorted(self.workers)
+
+    @property
     def missing(self) -> list[WorkerId]:
         return [w for w in self.expected if w not in self.workers]
 
@@ -74,8 +79,8 @@ class Membership:
     @property
     def ready(self) -> bool:
         """Every expected worker has allocated the current plan's pools."""
-        return (self.plan is not None and self.all_attached
-                and all(self.workers[w].ready_epoch == self.plan.epoch for w in self.expected))
+        return (self.plan is not None and self.all_attached and bool(self.members)
+                and all(self.workers[w].ready_epoch == self.plan.epoch for w in self.members))
 
     def attach(self, record: WorkerRecord) -> None:
         if record.worker_id in self.workers:
@@ -100,11 +105,12 @@ class Membership:
         return changed or self.plan is None
 
     def block_bytes(self) -> int:
-        return sum(self.workers[w].layout.block_bytes for w in self.expected)  # type: ignore[union-attr]
+        return sum(self.workers[w].layout.block_bytes for w in self.members)  # type: ignore[union-attr]
 
     def replan(self) -> PoolPlan | None:
         """A new plan once every expected worker has a layout, else None."""
-        if not self.all_attached or any(self.workers[w].layout is None for w in self.expected):
+        if not self.all_attached or not self.members or any(
+                self.workers[w].layout is None for w in self.members):
             return None
         total = self.block_bytes()
         cfg = self.config

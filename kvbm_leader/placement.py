@@ -135,7 +135,8 @@ class TierManager:
                 host_slot = self._detach(victim, Tier.HOST)
                 plan.demotions.append(Demotion(victim_key, host_slot, disk_slot))
                 return host_slot
-        plan.dropped += 1
+        if not any(c.is_ready for t, c in victim.copies.items() if t is not tier):
+            plan.dropped += 1  # evicted without a copy elsewhere
         return self._detach(victim, tier)
 
     # ------------------------------------------------------------------ prepare
@@ -200,8 +201,9 @@ class TierManager:
                     plan.demotions.append(Demotion(key, entry.copies[Tier.HOST].slot, disk_slot))
                     need -= 1
                     continue
+            if not entry.ready_in(Tier.DISK):
+                plan.dropped += 1
             self.registry.drop_copy(entry, Tier.HOST)
-            plan.dropped += 1
             need -= 1
         return plan
 

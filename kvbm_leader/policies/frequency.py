@@ -64,16 +64,12 @@ class FrequencyFilter:
     def decay(self, prune_budget: int = 10_000) -> None:
         """One decay step: every frequency drops by 1; zeros are forgotten.
 
-        Up to ``prune_budget`` forgotten entries are removed now, oldest first; the rest
-        go when touched or pushed out by the bound.
+        The ``prune_budget`` least recently touched entries are examined now and the
+        forgotten ones removed; the rest go when touched or pushed out by the bound.
         """
         self._step += 1
-        for _ in range(prune_budget):
-            if not self._table:
-                break
-            key = next(iter(self._table))
-            if self.frequency(key) > 0:
-                break
+        dead = [key for _, key in zip(range(prune_budget), self._table) if self.frequency(key) == 0]
+        for key in dead:
             del self._table[key]
 
     def passes(self, key: BlockHash) -> bool:

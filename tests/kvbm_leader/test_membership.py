@@ -174,10 +174,6 @@ def test_worker_state(error: str, layout, ready_epoch: int, expected: str) -> No
     assert record.state(epoch=3) == expected
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: Membership.replan divides by zero when expected is empty (attach() accepts any "
-    "worker then; reachable with kvbm-leader --num-workers 0): block_bytes() sums only over "
-    "expected workers"))
 def test_replan_with_no_expected_list_sizes_by_attached_workers() -> None:
     m = make_membership(cpu_cache_gb=1.0)
     attach_all(m, {"a": make_layout(10, 1000)})

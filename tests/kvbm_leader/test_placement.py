@@ -287,9 +287,6 @@ def test_frequent_block_already_on_disk_is_not_demoted_again() -> None:
     assert tm.registry.used(DISK) == 2
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: TierManager._take_slot counts plan.dropped (documented 'evicted without a copy "
-    "elsewhere') when it evicts a G2 copy whose block still has a ready G3 copy"))
 def test_evicting_a_host_copy_backed_by_disk_is_not_counted_as_dropped() -> None:
     tm = make_manager(host=1, disk=4, filter_enabled=False)
     store(tm, 1)

@@ -111,10 +111,6 @@ def test_decay_prune_budget_bounds_the_work() -> None:
     assert all(f.frequency(key(i)) == 0 for i in range(5))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: FrequencyFilter.decay stops pruning at the first live entry in write order, so a "
-    "forgotten entry written after a higher-count one stays in the table (counts against "
-    "max_entries) although its docstring says up to prune_budget forgotten entries go now"))
 def test_decay_forgets_every_zeroed_entry_within_budget() -> None:
     f = make_filter()
     f.hit(key(1))  # 2, written first
@@ -126,9 +122,6 @@ def test_decay_forgets_every_zeroed_entry_within_budget() -> None:
     assert len(f) == 1
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: a forgotten (count 0) entry that decay() left in the table makes the bound push "
-    "out a live entry instead of it"))
 def test_bound_drops_forgotten_entries_before_live_ones() -> None:
     f = make_filter(max_entries=2)
     f.hit(key(1))

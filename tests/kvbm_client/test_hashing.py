@@ -1,0 +1,174 @@
+"""Sequence hashing: xxh3-64, chained, salted; engine hashes passed through."""
+from __future__ import annotations
+
+from array import array
+
+import pytest
+import xxhash
+
+from kvbm_client.hashing import engine_hashes, salt_hash, sequence_hashes
+from kvbm_client.ids import MAX_HASH_BYTES
+
+BS = 4  # tokens per block
+
+
+def make_tokens(n: int, start: int = 0) -> list[int]:
+    return list(range(start, start + n))
+
+
+def reference_hashes(tokens: list[int], block_size: int, salt: int = 0) -> list[bytes]:
+    """The module docstring's formula, written out independently."""
+    out: list[bytes] = []
+    prev: int | None = None
+    for start in range(0, len(tokens) // block_size * block_size, block_size):
+        bh = xxhash.xxh3_64_intdigest(array("I", tokens[start:start + block_size]).tobytes(), seed=salt)
+        seq = bh if prev is None else xxhash.xxh3_64_intdigest(
+            prev.to_bytes(8, "big") + bh.to_bytes(8, "big"), seed=salt)
+        out.append(seq.to_bytes(8, "big"))
+        prev = seq
+    return out
+
+
+def test_matches_the_documented_formula() -> None:
+    tokens = make_tokens(3 * BS, start=1000)
+    salt = salt_hash(model="m")
+    assert sequence_hashes(tokens, BS) == reference_hashes(tokens, BS)
+    assert sequence_hashes(tokens, BS, salt=salt) == reference_hashes(tokens, BS, salt)
+
+
+def test_deterministic_and_eight_bytes() -> None:
+    tokens = make_tokens(5 * BS)
+    first = sequence_hashes(tokens, BS)
+    assert first == sequence_hashes(list(tokens), BS)
+    assert all(isinstance(h, bytes) and len(h) == 8 for h in first)
+    assert len(set(first)) == 5
+
+
+@pytest.mark.parametrize("num_tokens, expected_blocks", [(0, 0), (BS - 1, 0), (BS, 1), (2 * BS + BS - 1, 2), (3 * BS, 3)])
+def test_only_full_blocks_are_hashed(num_tokens: int, expected_blocks: int) -> None:
+    tokens = make_tokens(num_tokens)
+    hashes = sequence_hashes(tokens, BS)
+    assert len(hashes) == expected_blocks
+    # The partial tail never changes the full blocks' hashes.
+    assert hashes == sequence_hashes(tokens[:expected_blocks * BS], BS)
+
+
+def test_common_prefix_gives_common_hashes() -> None:
+    a = make_tokens(2 * BS) + [7] * BS
+    b = make_tokens(2 * BS) + [8] * BS
+    ha, hb = sequence_hashes(a, BS), sequence_hashes(b, BS)
+    assert ha[:2] == hb[:2]
+    assert ha[2] != hb[2]
+
+
+def test_same_block_at_another_position_or_after_another_prefix_differs() -> None:
+    block = [42] * BS
+    alone = sequence_hashes(block, BS)[0]
+    after_x = sequence_hashes([1] * BS + block, BS)[1]
+    after_y = sequence_hashes([2] * BS + block, BS)[1]
+    twice = sequence_hashes(block + block, BS)
+    assert len({alone, after_x, after_y, twice[1]}) == 4
+    assert twice[0] == alone
+
+
+def test_divergence_propagates_to_every_later_block() -> None:
+    a = make_tokens(4 * BS)
+    b = list(a)
+    b[0] += 1  # differ only in the first token
+    assert all(x != y for x, y in zip(sequence_hashes(a, BS), sequence_hashes(b, BS)))
+
+
+def test_token_order_inside_a_block_matters() -> None:
+    assert sequence_hashes([1, 2, 3, 4], BS) != sequence_hashes([2, 1, 3, 4], BS)
+
+
+def test_block_size_changes_the_hashes() -> None:
+    tokens = make_tokens(8)
+    assert sequence_hashes(tokens, 4)[0] != sequence_hashes(tokens, 8)[0]
+
+
+@pytest.mark.parametrize("block_size", [0, -1])
+def test_block_size_must_be_positive(block_size: int) -> None:
+    with pytest.raises(ValueError):
+        sequence_hashes(make_tokens(8), block_size)
+
+
+def test_parent_extends_a_prefix_consistently() -> None:
+    tokens = make_tokens(5 * BS, start=7)
+    whole = sequence_hashes(tokens, BS)
+    head = sequence_hashes(tokens[:2 * BS], BS)
+
+    tail = sequence_hashes(tokens[2 * BS:], BS, parent=head[-1])
+
+    assert head + tail == whole
+
+
+def test_parent_with_salt_extends_consistently() -> None:
+    tokens = make_tokens(3 * BS)
+    salt = salt_hash(cache_salt="tenant-a")
+    whole = sequence_hashes(tokens, BS, salt=salt)
+    assert sequence_hashes(tokens[BS:], BS, salt=salt, parent=whole[0]) == whole[1:]
+
+
+def test_parent_changes_the_hashes() -> None:
+    tokens = make_tokens(BS)
+    assert sequence_hashes(tokens, BS, parent=b"\x00" * 8) != sequence_hashes(tokens, BS)
+    assert sequence_hashes(tokens, BS, parent=b"\x00" * 8) != sequence_hashes(tokens, BS, parent=b"\x00" * 7 + b"\x01")
+
+
+# --------------------------------------------------------------------------- salt
+def test_salt_hash_is_zero_when_nothing_is_salted() -> None:
+    assert salt_hash() == 0
+    assert sequence_hashes(make_tokens(BS), BS, salt=salt_hash()) == sequence_hashes(make_tokens(BS), BS)
+
+
+def test_salt_separates_tenants() -> None:
+    tokens = make_tokens(3 * BS)
+    a, b = salt_hash(cache_salt="tenant-a"), salt_hash(cache_salt="tenant-b")
+    assert a != b and a != 0
+    ha, hb, hn = (sequence_hashes(tokens, BS, salt=s) for s in (a, b, 0))
+    assert not set(ha) & set(hb)
+    assert not set(ha) & set(hn)
+    assert salt_hash(cache_salt="tenant-a") == a  # stable
+
+
+@pytest.mark.parametrize("left, right", [
+    (dict(model="m"), dict(cache_salt="m")),
+    (dict(model="m"), dict(lora_name="m")),
+    (dict(cache_salt="x"), dict(lora_name="x")),
+    (dict(model="m", lora_name="a"), dict(model="m", lora_name="b")),
+    (dict(model="m1"), dict(model="m2")),
+])
+def test_salt_fields_are_not_interchangeable(left: dict, right: dict) -> None:
+    assert salt_hash(**left) != salt_hash(**right)
+
+
+# --------------------------------------------------------------------------- engine hashes
+def test_engine_hashes_pass_bytes_through() -> None:
+    given = [b"\x01" * 32, bytearray(b"\x02" * 8), b"\x03"]
+    out = engine_hashes(given)
+    assert out == [b"\x01" * 32, b"\x02" * 8, b"\x03"]
+    assert all(type(h) is bytes for h in out)
+
+
+@pytest.mark.parametrize("value, expected", [
+    (1, b"\x00" * 7 + b"\x01"),
+    ((1 << 64) - 1, b"\xff" * 8),
+    (-1, b"\xff" * 8),  # Python hash() values may be negative: two's complement
+])
+def test_engine_hashes_turn_ints_into_8_big_endian_bytes(value: int, expected: bytes) -> None:
+    assert engine_hashes([value]) == [expected]
+
+
+@pytest.mark.parametrize("bad", [b"", b"\x00" * (MAX_HASH_BYTES + 1)])
+def test_engine_hashes_validate_length(bad: bytes) -> None:
+    with pytest.raises(ValueError, match="bytes"):
+        engine_hashes([b"\x01" * 8, bad])
+
+
+def test_engine_hashes_accept_the_maximum_length() -> None:
+    assert engine_hashes([b"\x07" * MAX_HASH_BYTES]) == [b"\x07" * MAX_HASH_BYTES]
+
+
+def test_engine_hashes_of_nothing() -> None:
+    assert engine_hashes(iter([])) == []
