@@ -16,6 +16,7 @@ serve: $(VENV)/.installed
 	DYN_KVBM_CPU_CACHE_GB=$${DYN_KVBM_CPU_CACHE_GB:-1} $(VENV)/bin/kvbm serve $(ARGS)
 
 test: $(VENV)/.installed
+	bash tests/cluster/install_services.sh
 	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)
 
 bench: $(VENV)/.installed

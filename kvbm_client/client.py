@@ -68,6 +68,8 @@ class AsyncKvbmClient:
                  client_name: str = "kvbm-client") -> None:
         self.config = config or KvbmConfig.from_env()
         self.leader_address = leader_address or self.config.resolved_leader_address
+        # With ETCD_ENDPOINTS and no explicit address, the node's leader is looked up in etcd.
+        self._discover = not (leader_address or self.config.leader_address) and bool(self.config.etcd_endpoints)
         self.client_name = client_name
         self.session_id = ""
         self.workers: dict[str, pb.WorkerInfo] = {}
@@ -89,6 +91,9 @@ class AsyncKvbmClient:
         return client
 
     async def _open(self, timeout: float) -> None:
+        if self._discover:
+            from .discovery import lookup_leader  # lazy: needs aetcd
+            self.leader_address = (await lookup_leader(self.config, timeout))["endpoint"]
         self._channel = grpc.aio.insecure_channel(self.leader_address, options=GRPC_OPTIONS)
         self._leader = rpc.LeaderStub(self._channel)
         await self._open_session(timeout)
@@ -140,10 +145,17 @@ class AsyncKvbmClient:
 
     # ------------------------------------------------------------------ calls
     async def _leader_call(self, name: str, request, timeout: float = CONTROL_TIMEOUT):
-        try:
-            return await getattr(self._leader, name)(request, timeout=timeout)
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc, f"leader {name}") from None
+        for attempt in (0, 1):
+            try:
+                return await getattr(self._leader, name)(request, timeout=timeout)
+            except grpc.RpcError as exc:
+                if attempt == 0 and _session_lost(exc) and hasattr(request, "session_id"):
+                    # The leader restarted (or our session expired): open a new session, retry once.
+                    await self._open_session()
+                    log.warning("kvbm session re-opened after: %s", exc.details())
+                    request.session_id = self.session_id
+                    continue
+                raise from_rpc_error(exc, f"leader {name}") from None
 
     def _worker(self, worker_id: str) -> rpc.WorkerStub:
         if worker_id not in self._worker_stubs:
@@ -299,6 +311,10 @@ class AsyncKvbmClient:
         if handle.is_empty or handle.tasks:
             return
         await self._leader_call("Release", pb.ReleaseRequest(session_id=self.session_id, job_id=handle.job_id))
+
+
+def _session_lost(exc: grpc.RpcError) -> bool:
+    return exc.code() == grpc.StatusCode.NOT_FOUND and "unknown or expired session" in (exc.details() or "")
 
 
 class KvbmClient:

@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import math
 import os
+import socket
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -91,6 +92,19 @@ OPTIONS: tuple[Option, ...] = (
            "Longest hash list one request may carry.", "kvbm"),
     Option("host_free_watermark", "DYN_KVBM_HOST_FREE_WATERMARK", float, 0.05,
            "Fraction of G2 kept free by background demotion/eviction.", "kvbm"),
+    # ---- cluster plane (kvbm_client/discovery.py, kvbm_client/bus.py) ----
+    Option("etcd_endpoints", "ETCD_ENDPOINTS", str, None,
+           "etcd endpoints, comma-separated (http://127.0.0.1:2379): register leaders and workers, "
+           "discover the node's leader [default: no etcd, single node].", "Dynamo runtime"),
+    Option("nats_server", "NATS_SERVER", str, None,
+           "NATS server URL (nats://127.0.0.1:4222): leader commands to workers and KV events "
+           "[default: no NATS, commands over gRPC, no events].", "Dynamo runtime"),
+    Option("node_name", "DYN_KVBM_NODE_NAME", str, None,
+           "Name of this node in etcd keys and NATS subjects [default: the host name].", "kvbm"),
+    Option("etcd_lease_ttl_secs", "DYN_KVBM_ETCD_LEASE_TTL_SECS", int, 10,
+           "TTL of the etcd leases of leaders and workers (kept alive every TTL/3).", "kvbm"),
+    Option("event_buffer", "DYN_KVBM_EVENT_BUFFER", int, 10000,
+           "KV events buffered for NATS before new ones are dropped (counted).", "kvbm"),
 )
 
 _BY_FIELD = {o.field: o for o in OPTIONS}
@@ -120,6 +134,11 @@ class KvbmConfig:
     session_ttl_secs: float = 10.0
     max_hashes: int = 65536
     host_free_watermark: float = 0.05
+    etcd_endpoints: str | None = None
+    nats_server: str | None = None
+    node_name: str | None = None
+    etcd_lease_ttl_secs: int = 10
+    event_buffer: int = 10000
 
     # ---- derived -------------------------------------------------------------------
     @property
@@ -141,6 +160,10 @@ class KvbmConfig:
     @property
     def resolved_leader_address(self) -> str:
         return self.leader_address or "unix:" + os.path.join(self.resolved_socket_dir, "leader.sock")
+
+    @property
+    def resolved_node_name(self) -> str:
+        return self.node_name or socket.gethostname()
 
     def worker_address(self, worker_id: str) -> str:
         return "unix:" + os.path.join(self.resolved_socket_dir, f"worker-{worker_id}.sock")
@@ -180,6 +203,8 @@ class KvbmConfig:
                 raise KvbmConfigError(f"{_BY_FIELD[name].env} must be positive, got {getattr(self, name)}")
         if not 0 <= self.host_free_watermark < 1:
             raise KvbmConfigError("DYN_KVBM_HOST_FREE_WATERMARK must be in [0, 1)")
+        if self.etcd_lease_ttl_secs < 2 or self.event_buffer < 1:
+            raise KvbmConfigError("DYN_KVBM_ETCD_LEASE_TTL_SECS must be >= 2 and DYN_KVBM_EVENT_BUFFER >= 1")
 
     def require_tier(self) -> None:
         """Raise a clear startup error when no cache tier is configured."""

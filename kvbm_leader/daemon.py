@@ -23,6 +23,7 @@ from kvbm_client.errors import KvbmConfigError
 from kvbm_client.ids import WorkerId
 from kvbm_client.logs import setup_logging
 
+from .cluster import LeaderCluster
 from .service import LeaderService
 
 log = logging.getLogger("kvbm.leader")
@@ -37,6 +38,7 @@ class LeaderDaemon:
         self.address = address or config.resolved_leader_address
         self.service = LeaderService(config, workers)
         self._server: grpc.aio.Server | None = None
+        self.cluster = LeaderCluster(config, self.service, self.address)  # etcd / NATS, when configured
         self._ticker: asyncio.Task | None = None
         self._started = False
         self._closed = False
@@ -56,6 +58,7 @@ class LeaderDaemon:
         if self.config.metrics:
             self.service.metrics.serve(self.config.metrics_port, self.config.metrics_addr)
             log.info("metrics on http://%s:%d/metrics", self.config.metrics_addr, self.config.metrics_port)
+        await self.cluster.start()
         self._ticker = asyncio.ensure_future(self._tick_loop())
         log.info("leader %s listening on %s; expecting workers %s", self.service.leader_id, self.address,
                  ", ".join(self.service.membership.expected))
@@ -86,6 +89,7 @@ class LeaderDaemon:
         if self._closed:
             return
         self._closed = True
+        await self.cluster.close()
         await self.service.close()
         if self._ticker is not None:
             self._ticker.cancel()

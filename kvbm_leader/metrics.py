@@ -28,6 +28,9 @@ COUNTERS = {
     "kvbm_evicted_blocks": "Blocks dropped from the cache by eviction",
     "kvbm_failed_jobs": "Transfer jobs rolled back (worker failure, timeout, release)",
     "kvbm_lost_blocks": "Blocks dropped because a worker's pools were lost",
+    "kvbm_kv_events_published": "KV events published on NATS (kvbm.v1.events.<node>)",
+    "kvbm_kv_events_dropped": "KV events dropped because the event buffer was full",
+    "kvbm_commands_undelivered": "Leader commands to workers without an acknowledgement (left to expire)",
 }
 
 

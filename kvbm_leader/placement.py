@@ -112,7 +112,7 @@ class TierManager:
         copy = entry.copies.pop(tier)
         self.registry.pools[tier].lru.remove(entry.key)
         if not entry.copies:
-            self.registry.blocks.pop(entry.key, None)
+            self.registry.forget(entry.key)
         return copy.slot
 
     def _take_slot(self, tier: Tier, plan: JobPlan) -> SlotId | None:

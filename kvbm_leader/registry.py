@@ -71,6 +71,7 @@ class BlockRegistry:
 
     def __init__(self, capacities: dict[Tier, int]) -> None:
         self.blocks: dict[BlockHash, BlockEntry] = {}
+        self.forgotten: list[BlockHash] = []  # blocks gone since the last take_forgotten()
         self.pools: dict[Tier, TierPool] = {
             tier: TierPool(tier, SlotAllocator(n)) for tier, n in capacities.items() if n > 0}
 
@@ -95,8 +96,17 @@ class BlockRegistry:
         pool.lru.remove(entry.key)
         pool.allocator.free(copy.slot)
         if not entry.copies:
-            self.blocks.pop(entry.key, None)
+            self.forget(entry.key)
         return copy.slot
+
+    def forget(self, key: BlockHash) -> None:
+        """Drop a block that has no copy left (journaled for the KV events)."""
+        if self.blocks.pop(key, None) is not None:
+            self.forgotten.append(key)
+
+    def take_forgotten(self) -> list[BlockHash]:
+        out, self.forgotten = self.forgotten, []
+        return out
 
     def used(self, tier: Tier) -> int:
         pool = self.pools.get(tier)

@@ -19,6 +19,8 @@ from kvbm_client.config import KvbmConfig
 from kvbm_client.contract import GRPC_OPTIONS, pb, rpc, sign_plan
 from kvbm_client.ids import MAX_HASH_BYTES, BlockHash, JobId, PlanKind, SessionId, Tier, WorkerId
 
+from .commands import create as create_commands
+from .events import NullEvents
 from .jobs import Job, JobState, JobTable
 from .membership import Layout, Membership, WorkerRecord
 from .metrics import LeaderMetrics
@@ -50,7 +52,8 @@ class LeaderService(rpc.LeaderServicer):
         self.metrics = LeaderMetrics(self._pool_usage)
         self.closing = False
         self._events: dict[WorkerId, asyncio.Queue] = {}
-        self._worker_stubs: dict[WorkerId, tuple[grpc.aio.Channel, rpc.WorkerStub]] = {}
+        self.commands = create_commands("grpc")  # kvbm_leader/cluster.py swaps in NATS when configured
+        self.events = NullEvents()  # KV events for routers; a KvEventPublisher with NATS
         self._attached = asyncio.Event()
         self._background: set[asyncio.Task] = set()
         self._demotion_in_flight = False
@@ -125,6 +128,7 @@ class LeaderService(rpc.LeaderServicer):
         """Commit or roll back a job and count what it did."""
         self.jobs.pop(job.job_id)
         outcome = self.tiers.complete(job.plan, success)
+        self._announce(job.plan if success else None)
         m = self.metrics
         m.inc("kvbm_offload_blocks_d2h", outcome.stored[Tier.HOST])
         m.inc("kvbm_offload_blocks_d2d", outcome.stored[Tier.DISK])
@@ -137,6 +141,15 @@ class LeaderService(rpc.LeaderServicer):
                   "committed" if success else "rolled back", len(job.plan.keys), len(job.plan.demotions),
                   f" ({why})" if why else "")
         return outcome
+
+    def _announce(self, plan: JobPlan | None = None) -> None:
+        """KV events: blocks forgotten since the last call, then the blocks ``plan`` made matchable."""
+        reg = self.tiers.registry
+        self.events.removed(reg.take_forgotten())
+        if plan is not None and plan.kind is PlanKind.STORE and plan.keys:
+            ready = [(k, reg.blocks[k].parent) for k, t in zip(plan.keys, plan.tiers)
+                     if k in reg.blocks and reg.blocks[k].ready_in(t)]
+            self.events.stored(ready, plan.tiers[0])
 
     # ------------------------------------------------------------------ clients
     async def OpenSession(self, request, context):
@@ -265,13 +278,12 @@ class LeaderService(rpc.LeaderServicer):
     def _worker_lost(self, worker_id: WorkerId, why: str) -> None:
         self.membership.detach(worker_id)
         self._attached.clear()
-        chan = self._worker_stubs.pop(worker_id, None)
-        if chan is not None:
-            self._spawn(chan[0].close())
+        self.commands.forget(worker_id)
         for job in self.jobs.clear():
             self.tiers.complete(job.plan, False)
             self.metrics.inc("kvbm_failed_jobs")
         lost = self.tiers.reset()
+        self.events.cleared()
         self.metrics.inc("kvbm_lost_blocks", lost)
         if not self.closing:
             log.warning("worker %s lost (%s): %d blocks are no longer matchable", worker_id, why, lost)
@@ -299,6 +311,7 @@ class LeaderService(rpc.LeaderServicer):
         for job in self.jobs.clear():
             self.tiers.complete(job.plan, False)
         dropped = self.tiers.reset()
+        self.events.cleared()
         plan = self.membership.replan()
         if plan is None:
             log.info("waiting for the layouts of %s", ", ".join(
@@ -381,6 +394,7 @@ class LeaderService(rpc.LeaderServicer):
         self._maybe_demote()
 
     def _maybe_demote(self) -> None:
+        self._announce()
         pool = self.tiers.registry.pools.get(Tier.HOST)
         if pool is None or self._demotion_in_flight or not self.membership.ready:
             return
@@ -388,6 +402,7 @@ class LeaderService(rpc.LeaderServicer):
         if pool.allocator.num_free >= target:
             return
         plan = self.tiers.prepare_demotion(self.jobs.next_id(), target)
+        self._announce()
         self.metrics.inc("kvbm_evicted_blocks", plan.dropped)
         if plan.demotions:
             job, signed = self._new_job(plan, None)
@@ -406,16 +421,13 @@ class LeaderService(rpc.LeaderServicer):
         record = self.membership.workers.get(worker_id)
         if record is None:
             return
-        if worker_id not in self._worker_stubs:
-            channel = grpc.aio.insecure_channel(record.endpoint, options=GRPC_OPTIONS)
-            self._worker_stubs[worker_id] = (channel, rpc.WorkerStub(channel))
-        stub = self._worker_stubs[worker_id][1]
-        try:
-            resp = await stub.Command(pb.CommandRequest(plan=signed), timeout=self.config.job_timeout_secs)
-            ok, error = resp.ok, resp.error
-        except grpc.RpcError as exc:
-            ok, error = False, f"{exc.code().name}: {exc.details()}"
-        self._report(job.job_id, worker_id, ok, error)
+        ack = await self.commands.send(record, pb.CommandRequest(plan=signed), self.config.job_timeout_secs)
+        if ack.delivered:
+            self._report(job.job_id, worker_id, ack.ok, ack.error)
+        else:  # the worker may still be copying: the job expires (and frees its slots) later
+            self.metrics.inc("kvbm_commands_undelivered")
+            log.warning("command job=%d to worker %s over %s not acknowledged: %s", job.job_id, worker_id,
+                        self.commands.name, ack.error)
 
     async def wait_attached(self, timeout: float) -> bool:
         try:
@@ -432,7 +444,6 @@ class LeaderService(rpc.LeaderServicer):
             queue.put_nowait(None)
         for task in list(self._background):
             task.cancel()
-        for channel, _ in list(self._worker_stubs.values()):
-            await channel.close()
-        self._worker_stubs.clear()
+        await self.commands.close()
+        await self.events.close()
         self.metrics.close()

@@ -21,6 +21,7 @@ from kvbm_client.endpoints import is_unix, prepare_unix_socket, remove_unix_sock
 from kvbm_client.errors import KvbmConfigError
 from kvbm_client.logs import setup_logging
 
+from .cluster import WorkerCluster
 from .handlers.disk import open_disk_io
 from .pools import DiskPool, HostPool, SlotGeometry
 from .service import Pools, WorkerService
@@ -42,6 +43,9 @@ class WorkerDaemon:
         self.prefer_nixl = prefer_nixl
         self.service = WorkerService(worker_id, rank, self._report)
         self.service._on_layout = self._send_layout
+        # etcd / NATS when configured; the leader is found through etcd unless given explicitly
+        self.cluster = WorkerCluster(config, self.service, self.address,
+                                     discover_leader=leader_address is None and config.leader_address is None)
         self._server: grpc.aio.Server | None = None
         self._channel: grpc.aio.Channel | None = None
         self._leader: rpc.LeaderStub | None = None
@@ -64,6 +68,7 @@ class WorkerDaemon:
         await self._server.start()
         if is_unix(self.address):
             secure_unix_socket(self.address)
+        await self.cluster.start()
         self._channel = grpc.aio.insecure_channel(self.leader_address, options=GRPC_OPTIONS)
         self._leader = rpc.LeaderStub(self._channel)
         self._attach_task = asyncio.ensure_future(self._attach_loop())
@@ -81,6 +86,7 @@ class WorkerDaemon:
                 await self._attach_task
             except (asyncio.CancelledError, Exception):
                 pass
+        await self.cluster.close()
         if self._server is not None:
             await self._server.stop(grace=1.0)
         await self.service.drain()
@@ -100,6 +106,7 @@ class WorkerDaemon:
     async def _attach_loop(self) -> None:
         backoff = 0.1
         while not self.service.closing:
+            await self._follow_leader()
             try:
                 stream = self._leader.Attach(pb.AttachRequest(
                     worker_id=self.worker_id, rank=self.rank, endpoint=self.address, pid=os.getpid(), cuda=False))
@@ -123,6 +130,21 @@ class WorkerDaemon:
                 return
             await asyncio.sleep(backoff)
             backoff = min(2.0, backoff * 2)
+
+    async def _follow_leader(self) -> None:
+        """With etcd discovery, (re)read the leader's address before each attach."""
+        try:
+            address = await self.cluster.leader_address(self.config.leader_worker_init_timeout_secs)
+        except TimeoutError as exc:
+            log.error("%s", exc)
+            return
+        if address and address != self.leader_address:
+            log.info("leader of node %s found in etcd at %s", self.cluster.node, address)
+            old, self.leader_address = self._channel, address
+            self._channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+            self._leader = rpc.LeaderStub(self._channel)
+            if old is not None:
+                await old.close()
 
     async def _on_event(self, event) -> None:
         which = event.WhichOneof("event")

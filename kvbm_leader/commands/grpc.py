@@ -1,0 +1,50 @@
+"""Commands over gRPC ``Worker.Command`` (the default, without NATS).
+
+Runs in the leader; one channel per worker endpoint, dropped when the worker detaches.
+"""
+from __future__ import annotations
+
+import grpc
+
+from kvbm_client.contract import GRPC_OPTIONS, pb, rpc
+
+from ..membership import WorkerRecord
+from .base import CommandAck, CommandTransport
+
+# The call ended without the worker's word on the job: the copy may still run.
+_UNKNOWN = {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE,
+            grpc.StatusCode.UNKNOWN}
+
+
+class GrpcCommands(CommandTransport):
+    name = "grpc"
+
+    def __init__(self) -> None:
+        self._stubs: dict[str, tuple[grpc.aio.Channel, rpc.WorkerStub]] = {}
+        self._closing: set = set()
+
+    async def send(self, worker: WorkerRecord, request: "pb.CommandRequest", timeout: float) -> CommandAck:
+        if worker.worker_id not in self._stubs:
+            channel = grpc.aio.insecure_channel(worker.endpoint, options=GRPC_OPTIONS)
+            self._stubs[worker.worker_id] = (channel, rpc.WorkerStub(channel))
+        stub = self._stubs[worker.worker_id][1]
+        try:
+            resp = await stub.Command(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            error = f"{exc.code().name}: {exc.details()}"
+            return CommandAck(exc.code() not in _UNKNOWN, False, error)
+        return CommandAck(True, resp.ok, resp.error)
+
+    def forget(self, worker_id: str) -> None:
+        entry = self._stubs.pop(worker_id, None)
+        if entry is not None:
+            import asyncio
+
+            task = asyncio.ensure_future(entry[0].close())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
+    async def close(self) -> None:
+        for channel, _ in list(self._stubs.values()):
+            await channel.close()
+        self._stubs.clear()
