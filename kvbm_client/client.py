@@ -81,12 +81,14 @@ class AsyncKvbmClient:
         self._keepalive: asyncio.Task | None = None
         self._ttl = 10.0
         self._closed = False
+        self.control_timeout = CONTROL_TIMEOUT
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
     async def connect(cls, config: KvbmConfig | None = None, leader_address: str | None = None,
                       client_name: str = "kvbm-client", timeout: float = CONTROL_TIMEOUT) -> "AsyncKvbmClient":
         client = cls(config, leader_address, client_name)
+        client.control_timeout = timeout
         await client._open(timeout)
         return client
 
@@ -144,10 +146,10 @@ class AsyncKvbmClient:
             await self._channel.close()
 
     # ------------------------------------------------------------------ calls
-    async def _leader_call(self, name: str, request, timeout: float = CONTROL_TIMEOUT):
+    async def _leader_call(self, name: str, request, timeout: float | None = None):
         for attempt in (0, 1):
             try:
-                return await getattr(self._leader, name)(request, timeout=timeout)
+                return await getattr(self._leader, name)(request, timeout=timeout or self.control_timeout)
             except grpc.RpcError as exc:
                 if attempt == 0 and _session_lost(exc) and hasattr(request, "session_id"):
                     # The leader restarted (or our session expired): open a new session, retry once.
@@ -229,9 +231,13 @@ class AsyncKvbmClient:
         return self._handle(PlanKind.STORE, resp.plan if resp.HasField("plan") else None, len(resp.indices),
                             tuple(resp.indices), resp.skipped_present, resp.skipped_full)
 
-    async def prepare_load(self, hashes: Sequence[BlockHash]) -> TransferHandle:
+    async def prepare_load(self, hashes: Sequence[BlockHash], count_hit: bool = False,
+                           tokens_per_block: int = 0) -> TransferHandle:
+        """Plan and pin the longest stored prefix of ``hashes`` (``count_hit``: also count it
+        as a lookup, saving a separate :meth:`match` round trip)."""
         resp = await self._leader_call("PrepareLoad", pb.PrepareLoadRequest(
-            session_id=self.session_id, hashes=list(hashes)))
+            session_id=self.session_id, hashes=list(hashes), count_hit=count_hit,
+            tokens_per_block=tokens_per_block))
         return self._handle(PlanKind.LOAD, resp.plan if resp.HasField("plan") else None, resp.num_planned,
                             tuple(range(resp.num_planned)))
 
@@ -252,7 +258,10 @@ class AsyncKvbmClient:
         blocks = list(engine_blocks)
         if len(blocks) != handle.num_blocks:
             raise KvbmRequestError(f"{len(blocks)} engine blocks for {handle.num_blocks} planned entries")
-        for worker_id in worker_ids or list(self.workers):
+        targets = list(worker_ids or self.workers)
+        if not targets:  # e.g. a session re-opened while the workers re-attached to a new leader
+            raise KvbmUnavailableError("no worker of this node is known; call refresh_workers()")
+        for worker_id in targets:
             region_id = self.regions.get(worker_id)
             if region_id is None:
                 raise KvbmRequestError(f"no engine region registered on worker {worker_id}")

@@ -178,12 +178,15 @@ class LeaderService(rpc.LeaderServicer):
             return pb.MatchResponse(num_matched=0)
         result = self.tiers.match(keys, request.count_hit)
         if request.count_hit:
-            host = sum(1 for t in result.tiers if t is Tier.HOST)
-            self.metrics.hits.add(len(keys), host, result.num_matched - host)
-            self.metrics.inc("kvbm_matched_tokens", result.num_matched * (request.tokens_per_block or 1))
+            self._count_lookup(keys, result, request.tokens_per_block)
         log.debug("match: %d/%d blocks [%s]", result.num_matched, len(keys),
                   ",".join(t.label for t in result.tiers[:8]))
         return pb.MatchResponse(num_matched=result.num_matched, tiers=[int(t) for t in result.tiers])
+
+    def _count_lookup(self, keys: list[BlockHash], result, tokens_per_block: int) -> None:
+        host = sum(1 for t in result.tiers if t is Tier.HOST)
+        self.metrics.hits.add(len(keys), host, result.num_matched - host)
+        self.metrics.inc("kvbm_matched_tokens", result.num_matched * (tokens_per_block or 1))
 
     async def PrepareStore(self, request, context):
         session = await self._session(request.session_id, context)
@@ -216,6 +219,8 @@ class LeaderService(rpc.LeaderServicer):
         keys = await self._hashes(request.hashes, context)
         if not self.membership.ready:
             return pb.PrepareLoadResponse(num_planned=0)
+        if request.count_hit:
+            self._count_lookup(keys, self.tiers.match(keys, count_hit=True), request.tokens_per_block)
         plan = self.tiers.prepare_load(self.jobs.next_id(), keys)
         resp = pb.PrepareLoadResponse(num_planned=len(plan.keys))
         if plan.keys:

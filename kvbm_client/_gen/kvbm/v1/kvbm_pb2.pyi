@@ -204,12 +204,16 @@ class PrepareStoreResponse(_message.Message):
     def __init__(self, plan: _Optional[_Union[SignedPlan, _Mapping]] = ..., indices: _Optional[_Iterable[int]] = ..., skipped_present: _Optional[int] = ..., skipped_full: _Optional[int] = ...) -> None: ...
 
 class PrepareLoadRequest(_message.Message):
-    __slots__ = ("session_id", "hashes")
+    __slots__ = ("session_id", "hashes", "count_hit", "tokens_per_block")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
+    COUNT_HIT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, session_id: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    count_hit: bool
+    tokens_per_block: int
+    def __init__(self, session_id: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., count_hit: _Optional[bool] = ..., tokens_per_block: _Optional[int] = ...) -> None: ...
 
 class PrepareLoadResponse(_message.Message):
     __slots__ = ("plan", "num_planned")

@@ -1,0 +1,1 @@
+"""Engine connectors: thin role facades over the kvbm contract; they never own data."""

@@ -1,0 +1,122 @@
+"""``KvbmConnector``: vLLM's ``KVConnectorBase_V1``, a role facade.
+
+The scheduler role (:class:`.scheduler.KvbmConnectorScheduler`) talks to the leader; the
+worker role (:class:`.worker.KvbmConnectorWorker`) talks to its worker daemon. The roles
+share no state: the scheduler's decisions reach workers only as
+:class:`.metadata.KvbmConnectorMetadata`.
+
+Supported vLLM: 0.26 - 0.32 (see :mod:`.compat`).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+
+from . import compat
+from .metadata import KvbmConnectorMetadata
+from .scheduler import KvbmConnectorScheduler
+from .settings import ConnectorSettings
+
+log = logging.getLogger("kvbm.connector")
+
+
+class KvbmConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config, role, kv_cache_config=None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        compat.check_version()
+        ktc = vllm_config.kv_transfer_config
+        extra = dict(getattr(ktc, "kv_connector_extra_config", None) or {})
+        model = vllm_config.model_config
+        namespace = f"{model.model}|{model.dtype}|{vllm_config.cache_config.block_size}"
+        self._settings = ConnectorSettings.from_extra(extra, namespace)
+        self._block_size = vllm_config.cache_config.block_size
+        self._scheduler: KvbmConnectorScheduler | None = None
+        self._worker = None
+        self._shm = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = KvbmConnectorScheduler(self._block_size, self._settings)
+        else:
+            from .worker import KvbmConnectorWorker
+            self._rank = compat.worker_rank(vllm_config)
+            self._worker = KvbmConnectorWorker(str(extra.get("worker_id", self._rank)), self._settings)
+
+    # ==== properties ====
+    @property
+    def requires_kv_delivery(self) -> bool:  # a best-effort cache: never hold requests for it
+        return False
+
+    # ==== Worker-side methods ====
+    def get_mem_pool_context(self):
+        """vLLM >= 0.32: allocate the (CPU) KV cache in shared memory the daemon can map."""
+        if compat.is_cuda(self._vllm_config):
+            return None
+        from .shm_kv import ShmKvAllocation
+        self._shm = ShmKvAllocation(self._rank)
+        return self._shm
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        from .worker import region_from_kv_caches
+        shm = self._shm
+        spec = region_from_kv_caches(kv_caches, shm.path if shm and shm.tensor is not None else None,
+                                     shm.tensor if shm else None)
+        self._worker.set_region(spec)
+
+    def handle_preemptions(self, kv_connector_metadata=None, *args, **kwargs) -> None:
+        self._worker.fence_stores()
+
+    def bind_connector_metadata(self, connector_metadata) -> None:
+        if self._worker is not None:
+            self._worker.fence_stores()
+        super().bind_connector_metadata(connector_metadata)
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        meta = self._meta()
+        if meta is not None:
+            self._worker.start_loads(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        meta = self._meta()
+        if meta is not None:
+            self._worker.start_stores(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._worker.finished(self._meta())
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors() if self._worker is not None else set()
+
+    def _meta(self) -> KvbmConnectorMetadata | None:
+        if not self.has_connector_metadata():
+            return None
+        meta = self._get_connector_metadata()
+        return meta if isinstance(meta, KvbmConnectorMetadata) else None
+
+    # ==== Scheduler-side methods ====
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KvbmConnectorMetadata:
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
+        return self._scheduler.request_finished(request, block_ids)
+
+    # ==== Both ====
+    def shutdown(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._shm is not None:
+            self._shm.unlink()

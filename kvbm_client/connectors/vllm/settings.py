@@ -1,0 +1,47 @@
+"""Connector settings: ``kv_connector_extra_config`` first, then the ``DYN_KVBM_*``
+environment (the same defaults as ``kvbm serve``)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from ...config import KvbmConfig
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    leader_address: str
+    worker_address_template: str  # "{id}" is replaced by the worker id
+    namespace: str
+    timeout_s: float
+    retry_s: float
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any], default_namespace: str) -> "ConnectorSettings":
+        overrides = {k: extra[k] for k in ("socket_dir", "leader_address") if extra.get(k)}
+        cfg = KvbmConfig.from_env(**overrides)
+        template = extra.get("worker_address") or cfg.worker_address("{id}")
+        return cls(leader_address=cfg.resolved_leader_address, worker_address_template=template,
+                   namespace=str(extra.get("namespace") or default_namespace),
+                   timeout_s=float(extra.get("timeout_s", 2.0)), retry_s=float(extra.get("retry_s", 2.0)))
+
+    def worker_address(self, worker_id: str) -> str:
+        return self.worker_address_template.replace("{id}", worker_id)
+
+
+class Backoff:
+    """Circuit breaker for an unreachable service: try at most once per ``period``."""
+
+    def __init__(self, period: float) -> None:
+        self.period = period
+        self._next = 0.0
+
+    def ready(self) -> bool:
+        return time.monotonic() >= self._next
+
+    def failed(self) -> None:
+        self._next = time.monotonic() + self.period
+
+    def reset(self) -> None:
+        self._next = 0.0

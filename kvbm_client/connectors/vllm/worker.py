@@ -1,0 +1,211 @@
+"""Worker role of the vLLM connector: hands the engine's KV memory to this GPU's (or CPU
+rank's) worker daemon and asks it to move blocks on the leader's signed plans.
+
+Runs in a vLLM worker process. Stores start in ``wait_for_save`` (the step's KV is written)
+and are awaited at the start of the next step (``handle_preemptions`` /
+``bind_connector_metadata``), before any block can be rewritten; finished requests whose
+stores were in flight are reported in ``finished_sending`` so vLLM frees their blocks only
+then. Loads start in ``start_load_kv`` and complete in ``get_finished``. A worker daemon that
+is down turns loads into load errors (vLLM recomputes) and stores into skips; the region is
+re-registered when the daemon is back.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from ...contract import GRPC_OPTIONS, pb, rpc
+from ...regions import LayerSpec, RegionSpec
+from .metadata import KvbmConnectorMetadata
+from .settings import Backoff, ConnectorSettings
+
+log = logging.getLogger("kvbm.connector")
+
+
+@dataclass
+class InFlight:
+    future: grpc.Future
+    req_ids: list[str]
+    engine_blocks: list[int]
+    deadline: float
+
+
+def region_from_kv_caches(kv_caches: dict, shm_path: str | None, base_tensor) -> RegionSpec | None:
+    """Describe vLLM's per-layer KV views as a region over one shared buffer, or None when the
+    buffer is not in shared memory (then the daemon cannot map it)."""
+    if shm_path is None or base_tensor is None:
+        return None
+    base = base_tensor.untyped_storage().data_ptr()
+    size = base_tensor.untyped_storage().nbytes()
+    layers: list[LayerSpec] = []
+    page = num_blocks = None
+    dtype = ""
+    for name, t in kv_caches.items():
+        if t.untyped_storage().data_ptr() != base:
+            log.warning("kvbm: layer %s is not in the shared KV buffer; kvbm disabled", name)
+            return None
+        if not t[0].is_contiguous():
+            log.warning("kvbm: layer %s pages are not contiguous; kvbm disabled", name)
+            return None
+        this_page = t[0].numel() * t.element_size()
+        if page not in (None, this_page) or num_blocks not in (None, t.shape[0]):
+            log.warning("kvbm: layers differ in page size or block count; kvbm disabled")
+            return None
+        page, num_blocks, dtype = this_page, t.shape[0], str(t.dtype).replace("torch.", "")
+        layers.append(LayerSpec(0, t.data_ptr() - base, t.stride(0) * t.element_size()))
+    if not layers:
+        return None
+    return RegionSpec((shm_path,), (size,), tuple(layers), page, num_blocks, dtype,
+                      engine_id=f"vllm-{os.getpid()}")
+
+
+class KvbmConnectorWorker:
+    def __init__(self, worker_id: str, settings: ConnectorSettings) -> None:
+        self.worker_id = worker_id
+        self.settings = settings
+        self.address = settings.worker_address(worker_id)
+        self.spec: RegionSpec | None = None
+        self.region_id: str | None = None
+        self._channel = grpc.insecure_channel(self.address, options=GRPC_OPTIONS)
+        self._stub = rpc.WorkerStub(self._channel)
+        self._backoff = Backoff(settings.retry_s)
+        self._stores: list[InFlight] = []
+        self._loads: dict[str, InFlight] = {}
+        self._load_errors: set[int] = set()
+        self._awaiting_send: set[str] = set()
+        self._pending_store_reqs: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ region
+    def set_region(self, spec: RegionSpec | None) -> None:
+        self.spec = spec
+        if spec is None:
+            log.warning("kvbm: the engine's KV cache is not shareable with the worker daemon; "
+                        "serving without kvbm")
+            return
+        self._ensure_region()
+
+    def _ensure_region(self) -> bool:
+        if self.region_id is not None:
+            return True
+        if self.spec is None or not self._backoff.ready():
+            return False
+        try:
+            resp = self._stub.RegisterRegion(self.spec.to_request(), timeout=self.settings.timeout_s)
+        except grpc.RpcError as exc:
+            log.warning("kvbm worker %s (%s): %s; retrying in %gs", self.worker_id, self.address,
+                        exc.details() or exc.code().name, self.settings.retry_s)
+            self._backoff.failed()
+            return False
+        self.region_id = resp.region_id
+        log.info("kvbm: engine KV cache registered with worker %s as %s", self.worker_id, self.region_id)
+        return True
+
+    def _lost(self, exc: grpc.RpcError) -> None:
+        if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND):
+            if self.region_id is not None:
+                log.warning("kvbm worker %s lost (%s); will re-register", self.worker_id, exc.code().name)
+            self.region_id = None
+            self._backoff.failed()
+
+    # ------------------------------------------------------------------ transfers
+    def _submit(self, plan: bytes, signature: bytes, blocks: list[int]) -> grpc.Future | None:
+        if not self._ensure_region():
+            return None
+        request = pb.TransferRequest(region_id=self.region_id, plan=pb.SignedPlan(plan=plan, signature=signature),
+                                     engine_blocks=blocks)
+        return self._stub.Transfer.future(request, timeout=max(self.settings.timeout_s, 30.0))
+
+    def start_loads(self, meta: KvbmConnectorMetadata) -> None:
+        for spec in meta.loads:
+            future = self._submit(spec.plan, spec.signature, spec.engine_blocks)
+            if future is None:
+                self._load_errors.update(spec.engine_blocks)
+                self._loads[spec.req_id] = InFlight(_done_future(), [spec.req_id], [], 0.0)
+                continue
+            self._loads[spec.req_id] = InFlight(future, [spec.req_id], spec.engine_blocks, time.monotonic())
+
+    def start_stores(self, meta: KvbmConnectorMetadata) -> None:
+        for spec in meta.stores:
+            future = self._submit(spec.plan, spec.signature, spec.engine_blocks)
+            if future is None:
+                continue
+            self._stores.append(InFlight(future, spec.req_ids, spec.engine_blocks, time.monotonic()))
+            for req_id in spec.req_ids:
+                self._pending_store_reqs[req_id] = self._pending_store_reqs.get(req_id, 0) + 1
+
+    def fence_stores(self) -> None:
+        """Wait for every store in flight: its blocks may be handed to other requests now."""
+        for item in self._stores:
+            self._settle_store(item)
+        self._stores.clear()
+
+    def _settle_store(self, item: InFlight) -> None:
+        try:
+            item.future.result()
+        except grpc.RpcError as exc:
+            log.warning("kvbm store of %d blocks failed: %s", len(item.engine_blocks), exc.details())
+            self._lost(exc)
+        for req_id in item.req_ids:
+            left = self._pending_store_reqs.get(req_id, 0) - 1
+            if left > 0:
+                self._pending_store_reqs[req_id] = left
+            else:
+                self._pending_store_reqs.pop(req_id, None)
+
+    def finished(self, meta: KvbmConnectorMetadata | None) -> tuple[set[str] | None, set[str] | None]:
+        """(finished_sending, finished_recving) for vLLM's ``get_finished``."""
+        recving: set[str] = set()
+        for req_id, item in list(self._loads.items()):
+            try:
+                item.future.result()  # loads are small and were started this step
+            except grpc.RpcError as exc:
+                log.warning("kvbm load for %s failed (%s); vLLM recomputes it", req_id, exc.details())
+                self._load_errors.update(item.engine_blocks)
+                self._lost(exc)
+            recving.add(req_id)
+            del self._loads[req_id]
+        if meta is not None:
+            self._awaiting_send.update(meta.delayed_frees)
+        # Settle stores that are already done so their requests' blocks can be freed.
+        still = []
+        for item in self._stores:
+            if item.future.done():
+                self._settle_store(item)
+            else:
+                still.append(item)
+        self._stores = still
+        sending = {r for r in self._awaiting_send if r not in self._pending_store_reqs}
+        self._awaiting_send -= sending
+        if self.region_id is None:
+            self._ensure_region()
+        return (sending or None), (recving or None)
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        self.fence_stores()
+        if self.region_id is not None:
+            try:
+                self._stub.UnregisterRegion(pb.UnregisterRegionRequest(region_id=self.region_id), timeout=2)
+            except grpc.RpcError:
+                pass
+            self.region_id = None
+        self._channel.close()
+
+
+class _DoneFuture:
+    def result(self, timeout=None):
+        return None
+
+    def done(self) -> bool:
+        return True
+
+
+def _done_future() -> _DoneFuture:
+    return _DoneFuture()
