@@ -75,11 +75,11 @@ class KvEventPublisher(NullEvents):
     def _push(self, event: dict[str, Any]) -> None:
         if self._closed:
             return
+        event_id, self._next_id = self._next_id, self._next_id + 1  # a drop leaves a gap in the ids
         if len(self._buffer) >= self.capacity:
             self.metrics.inc("kvbm_kv_events_dropped")
             return
-        event.update(event_id=self._next_id, node=self.node, leader_id=self.leader_id, ts=time.time())
-        self._next_id += 1
+        event.update(event_id=event_id, node=self.node, leader_id=self.leader_id, ts=time.time())
         self._buffer.append(event)
         self._wake.set()
 

@@ -53,6 +53,7 @@ class NatsCommandServer:
             log.exception("command on %s", self.subject)
             resp = pb.CommandResponse(ok=False, error=f"{type(exc).__name__}: {exc}")
         self.handled += 1
+        log.debug("command over NATS: %s", "ok" if resp.ok else resp.error)
         if msg.reply:
             try:
                 await msg.respond(resp.SerializeToString())
