@@ -104,6 +104,15 @@ def _status(address: str, timeout: float = 5.0) -> "pb.StatusResponse":
         return rpc.LeaderStub(channel).Status(pb.StatusRequest(), timeout=timeout)
 
 
+def _alloc_progress(worker: "pb.WorkerInfo") -> float:
+    """A worker that is allocating knows its progress before the leader does: ask it."""
+    try:
+        with grpc.insecure_channel(worker.endpoint, options=GRPC_OPTIONS) as channel:
+            return rpc.WorkerStub(channel).Status(pb.WorkerStatusRequest(), timeout=1.0).info.alloc_progress
+    except grpc.RpcError:
+        return worker.alloc_progress
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
@@ -180,7 +189,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         lay = w.layout
         shape = f"{lay.num_layers} layers x {lay.page_bytes} B, {lay.num_engine_blocks} engine blocks" \
             if w.HasField("layout") else "no engine yet"
-        alloc = f" ({w.alloc_progress * 100:.0f}% allocated)" if w.state == "allocating" else ""
+        alloc = f" ({_alloc_progress(w) * 100:.0f}% allocated)" if w.state == "allocating" else ""
         print(f"  worker {w.worker_id} rank {w.rank}: {w.state}{alloc}; {shape}; "
               f"G2 {_fmt_bytes(w.host_bytes)}, G3 {_fmt_bytes(w.disk_bytes)}; {w.endpoint}")
     c = status.counters

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import os
 import signal
 import sys
+import time
 
 import grpc
 
@@ -34,13 +36,15 @@ class WorkerDaemon:
     """One per GPU (or ``--cpu``). Owns the :class:`WorkerService`, its pools and files."""
 
     def __init__(self, config: KvbmConfig, worker_id: str, rank: int, address: str | None = None,
-                 leader_address: str | None = None, prefer_nixl: bool = True) -> None:
+                 leader_address: str | None = None, prefer_nixl: bool = True, gpu: int | None = None,
+                 cuda_copy: str = "auto") -> None:
         self.config = config
         self.worker_id = worker_id
         self.rank = rank
         self.address = address or config.worker_address(worker_id)
         self.leader_address = leader_address or config.resolved_leader_address
         self.prefer_nixl = prefer_nixl
+        self.gpu, self.cuda_copy = gpu, cuda_copy  # GPU data path (handlers/cuda.py) when gpu is set
         self.service = WorkerService(worker_id, rank, self._report)
         self.service._on_layout = self._send_layout
         # etcd / NATS when configured; the leader is found through etcd unless given explicitly
@@ -60,6 +64,11 @@ class WorkerDaemon:
         if self._started:
             raise RuntimeError("WorkerDaemon.start() called twice")
         self._started = True
+        if self.gpu is not None:  # CUDA context before serving, off the loop; lazy import (CPU CI)
+            from .handlers.cuda import init_device, open_region
+            name = await asyncio.get_running_loop().run_in_executor(None, init_device, self.gpu)
+            self.service.region_factory = functools.partial(open_region, device=self.gpu)
+            log.info("GPU data path on cuda:%d (%s), copy mechanism %s", self.gpu, name, self.cuda_copy)
         self._server = grpc.aio.server(options=GRPC_OPTIONS)
         rpc.add_WorkerServicer_to_server(self.service, self._server)
         if is_unix(self.address):
@@ -109,7 +118,8 @@ class WorkerDaemon:
             await self._follow_leader()
             try:
                 stream = self._leader.Attach(pb.AttachRequest(
-                    worker_id=self.worker_id, rank=self.rank, endpoint=self.address, pid=os.getpid(), cuda=False))
+                    worker_id=self.worker_id, rank=self.rank, endpoint=self.address, pid=os.getpid(),
+                    cuda=self.gpu is not None))
                 async for event in stream:
                     backoff = 0.1
                     await self._on_event(event)
@@ -210,12 +220,14 @@ class WorkerDaemon:
     def _allocate(self, epoch: int, host_geo: SlotGeometry, disk_geo: SlotGeometry) -> Pools:
         cfg = self.config
         host = disk = None
+        self._deadline = time.monotonic() + cfg.leader_worker_init_timeout_secs
+        self._logged_step = -1
         try:
             if host_geo.num_slots:
                 log.info("allocating G2: %d slots x %d bytes = %.2f GB", host_geo.num_slots, host_geo.slot_bytes,
                          host_geo.total_bytes / 1e9)
                 host = HostPool(host_geo)
-                host.commit(self._progress)
+                host.commit(self._progress if self.gpu is None else lambda f: self._progress(f / 2))
             disk_io = None
             if disk_geo.num_slots:
                 disk = DiskPool(disk_geo, cfg.disk_cache_dir, o_direct=not cfg.disk_disable_o_direct,
@@ -224,7 +236,12 @@ class WorkerDaemon:
                                        prefer_nixl=self.prefer_nixl)
                 log.info("G3: %s, %d slots (%.2f GB), I/O via %s", disk.path, disk_geo.num_slots,
                          disk_geo.total_bytes / 1e9, disk_io.name)
-            engine = TransferEngine(host, disk, disk_io)
+            if self.gpu is not None:
+                from .handlers.cuda import CudaTransferEngine
+                engine = CudaTransferEngine(host, disk, disk_io, self.gpu, self.cuda_copy,
+                                            lambda f: self._progress(0.5 + f / 2), self._deadline)
+            else:
+                engine = TransferEngine(host, disk, disk_io)
             return Pools(epoch, host, disk, engine, disk_io.name if disk_io else "")
         except BaseException:
             for pool in (disk, host):
@@ -234,7 +251,15 @@ class WorkerDaemon:
 
     def _progress(self, fraction: float) -> None:
         self.service.alloc_progress = fraction
-        log.debug("G2 allocation %.0f%%", fraction * 100)
+        step = int(fraction * 10)
+        if step != getattr(self, "_logged_step", step):
+            self._logged_step = step
+            log.info("G2 allocation %.0f%%%s", fraction * 100,
+                     " (pinning for CUDA)" if self.gpu is not None and fraction > 0.5 else "")
+        if time.monotonic() > getattr(self, "_deadline", float("inf")) and fraction < 1.0:
+            raise TimeoutError(f"G2 allocation at {fraction * 100:.0f}% after the init timeout "
+                               f"({self.config.leader_worker_init_timeout_secs:g}s, "
+                               "DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS)")
 
 
 def _same(pool, geometry: SlotGeometry) -> bool:
@@ -270,7 +295,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--leader", default=None, help="leader address [default DYN_KVBM_LEADER_ADDRESS or "
                                                        "<socket dir>/leader.sock]")
     parser.add_argument("--cpu", action="store_true",
-                        help="CPU engine: the KV cache is shared memory (the only mode this build runs)")
+                        help="CPU engine: the KV cache is shared memory (the default without --gpu)")
+    parser.add_argument("--gpu", type=int, default=None, metavar="DEVICE",
+                        help="GPU engine on CUDA device DEVICE: open its KV cache through CUDA IPC, pin G2, "
+                             "copy on CUDA streams (needs torch with CUDA and cuda-python)")
+    parser.add_argument("--cuda-copy", default="auto", choices=("auto", "runs", "batch", "gather"),
+                        help="G1<->G2 copy mechanism with --gpu [default auto: DMA per contiguous run "
+                             "when runs are long, GPU gather + DMA when pages are small]")
     parser.add_argument("--no-nixl", action="store_true", help="use preadv/pwritev for disk I/O instead of NIXL")
     add_config_arguments(parser)
     return parser
@@ -285,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvbm-worker: {exc}", file=sys.stderr)
         return 2
     rank = args.rank if args.rank is not None else (int(args.worker_id) if args.worker_id.isdigit() else 0)
-    daemon = WorkerDaemon(config, args.worker_id, rank, args.listen, args.leader, prefer_nixl=not args.no_nixl)
+    daemon = WorkerDaemon(config, args.worker_id, rank, args.listen, args.leader, prefer_nixl=not args.no_nixl,
+                          gpu=args.gpu, cuda_copy=args.cuda_copy)
     import uvloop
     return uvloop.run(run(daemon))
 

@@ -75,6 +75,7 @@ class WorkerService(rpc.WorkerServicer):
                                            "jobs_ok": 0, "jobs_failed": 0}
         self._reporter = reporter  # async (job_id, ok, error, bytes, seconds) -> accepted
         self._on_layout = None  # async callback when a region (layout) appears
+        self.region_factory = EngineRegion  # request -> region; a GPU worker opens CUDA IPC buffers
         self._lanes = {"store": ThreadPoolExecutor(1, thread_name_prefix="kvbm-store"),
                        "load": ThreadPoolExecutor(1, thread_name_prefix="kvbm-load")}
         self._inflight = 0
@@ -150,7 +151,7 @@ class WorkerService(rpc.WorkerServicer):
                                     f"(pid {old.pid}, {old.region_id}); unregister it first")
             log.info("engine pid %d is gone; replacing its region %s", old.pid, old.region_id)
         try:
-            region = EngineRegion(request)
+            region = self.region_factory(request)
         except RegionError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"region rejected: {exc}")
         if old is not None:

@@ -1,0 +1,472 @@
+"""GPU data-path benchmark (run on a GPU machine; one run does everything).
+
+  0. copy mechanisms in-process (runs / cudaMemcpyBatchAsync / GPU gather), both layouts, both
+     directions, and what each does to a bf16 matmul loop in another process;
+  1. offload / onboard through the real daemons (this process is the engine, exporting its KV
+     cache through CUDA IPC to ``kvbm-worker --gpu 0``) for 1..1250 blocks of a vLLM-like layout
+     (16 tokens, 36 layers, 8 KV heads, head dim 128, bf16: 2.25 MiB per block), as a ratio to a
+     one-shot pinned memcpy of the same bytes;
+  2. interference: matmul TFLOP/s in a separate process with and without that traffic;
+  3. TTFT ceiling: Qwen3-4B-shaped prefill (random weights) vs onboarding the same tokens' KV;
+  4. G3: disk -> GPU onboard (disk-only mode) vs a raw O_DIRECT read of the same bytes.
+
+    python benchmarks/gpu_transfer.py --out results.jsonl
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import mmap
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+TOKENS, LAYERS, HEADS, DIM = 16, 36, 8, 128
+BLOCK_BYTES = LAYERS * 2 * TOKENS * HEADS * DIM * 2
+G1_BLOCKS = 2600
+SIZES = (1, 16, 128, 256, 512, 1250)
+OUT: list[dict] = []
+
+
+def emit(**kw) -> dict:
+    OUT.append(kw)
+    print(json.dumps(kw), flush=True)
+    return kw
+
+
+def median_time(fn, reps: int) -> float:
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+# ---------------------------------------------------------------------------- engine-side KV
+def make_kv(layout: str, n: int = G1_BLOCKS):
+    import torch
+    if layout == "cross":
+        kv = [torch.empty(n, LAYERS, 2, TOKENS, HEADS, DIM, dtype=torch.bfloat16, device="cuda")]
+    else:
+        kv = [torch.empty(2, n, TOKENS, HEADS, DIM, dtype=torch.bfloat16, device="cuda") for _ in range(LAYERS)]
+    for t in kv:
+        t.view(torch.uint8).random_(0, 256)
+    torch.cuda.synchronize()
+    return kv
+
+
+def block_ref(kv, layout: str, b: int):
+    import torch
+    if layout == "cross":
+        return kv[0][b].reshape(-1).view(torch.uint8)
+    return torch.cat([t[k, b].reshape(-1).view(torch.uint8) for t in kv for k in range(2)])
+
+
+def memcpy_reference(nbytes: int, dev_flat, host_flat) -> tuple[float, float]:
+    """One-shot pinned memcpy of ``nbytes`` (median of 5, CUDA events): (d2h s, h2d s)."""
+    import torch
+    out = []
+    for direction in ("d2h", "h2d"):
+        ts = []
+        for _ in range(6):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            if direction == "d2h":
+                host_flat[:nbytes].copy_(dev_flat[:nbytes], non_blocking=True)
+            else:
+                dev_flat[:nbytes].copy_(host_flat[:nbytes], non_blocking=True)
+            e.record()
+            e.synchronize()
+            ts.append(s.elapsed_time(e) / 1e3)
+        out.append(statistics.median(ts[1:]))
+    return out[0], out[1]
+
+
+# ---------------------------------------------------------------------------- matmul "engine"
+def matmul_child() -> None:
+    """Stand-in for the engine's kernels: answers 'measure SECONDS' with TFLOP/s."""
+    import torch
+    n = 8192
+    a, b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda"), torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    c = torch.empty_like(a)
+    for _ in range(20):
+        torch.mm(a, b, out=c)
+    torch.cuda.synchronize()
+    print("ready", flush=True)
+    for line in sys.stdin:
+        seconds = float(line.split()[1])
+        torch.cuda.synchronize()
+        t0, it = time.perf_counter(), 0
+        while time.perf_counter() - t0 < seconds:
+            for _ in range(10):
+                torch.mm(a, b, out=c)
+            torch.cuda.synchronize()
+            it += 10
+        dt = time.perf_counter() - t0
+        print(json.dumps({"tflops": it * 2 * n ** 3 / dt / 1e12}), flush=True)
+
+
+class Matmul:
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, __file__, "--matmul-child"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout.readline().strip() == "ready"
+
+    def measure(self, seconds: float) -> float:
+        self.proc.stdin.write(f"measure {seconds}\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())["tflops"]
+
+    def with_traffic(self, traffic, seconds: float = 3.0) -> dict:
+        """Baseline, then with ``traffic(stop_event) -> bytes`` running in threads, then baseline."""
+        base1 = self.measure(seconds)
+        stop, moved = threading.Event(), []
+        threads = [threading.Thread(target=lambda f=f: moved.append(f(stop))) for f in traffic]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)
+        t0 = time.perf_counter()
+        loaded = self.measure(seconds)
+        stop.set()
+        for t in threads:
+            t.join()
+        elapsed = time.perf_counter() - t0
+        base2 = self.measure(seconds)
+        base = (base1 + base2) / 2
+        return {"baseline_tflops": round(base, 1), "loaded_tflops": round(loaded, 1),
+                "slowdown_pct": round(100 * (1 - loaded / base), 2), "traffic_GBps": round(sum(moved) / elapsed / 1e9, 1)}
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(10)
+
+
+# ---------------------------------------------------------------------------- 0. mechanisms
+def bench_mechanisms(matmul: Matmul) -> None:
+    from kvbm_client.cuda_export import page_placements
+    from kvbm_worker.cuda_region import CudaEngineRegion
+    from kvbm_worker.handlers.cuda import CudaCopier, PinnedHost
+    from kvbm_worker.pools import HostPool, SlotGeometry
+    n = 1250
+    host = HostPool(SlotGeometry.of(BLOCK_BYTES, n))
+    pinned = PinnedHost(0)
+    pinned.pin(host.address, host.buffer.nbytes, chunk=(1 << 30) // BLOCK_BYTES * BLOCK_BYTES)  # as the worker pins
+    rng = np.random.default_rng(0)
+    import torch
+    dev_flat = torch.empty(n * BLOCK_BYTES, dtype=torch.uint8, device="cuda")
+    host_flat = torch.empty(n * BLOCK_BYTES, dtype=torch.uint8, pin_memory=True)
+    ref_d2h, ref_h2d = memcpy_reference(n * BLOCK_BYTES, dev_flat, host_flat)
+    del dev_flat, host_flat
+    for layout in ("cross", "layers"):
+        kv = make_kv(layout)
+        layers = []
+        for i, t in enumerate(kv):
+            nb, page, pages = page_placements(t.shape, t.stride(), t.element_size(), 0, 0 if layout == "cross" else 1, 3)
+            layers += [(i, off, st) for off, st in pages]
+        region = CudaEngineRegion.from_local(kv, layers, page, nb)
+        perm = rng.permutation(G1_BLOCKS)
+        src, dst = perm[:n], perm[n:2 * n]
+        addrs = host.address + np.arange(n) * host.geometry.slot_bytes
+        for mech in ("runs", "batch", "gather"):
+            copier = CudaCopier(0, pinned, mech)
+            for blocks in (16, n):
+                d2h = median_time(lambda: copier.copy("d2h", region, src[:blocks], addrs[:blocks]), 5)
+                h2d = median_time(lambda: copier.copy("h2d", region, dst[:blocks], addrs[:blocks]), 5)
+                ok = all(torch.equal(block_ref(kv, layout, int(dst[i])), block_ref(kv, layout, int(src[i])))
+                         for i in range(0, blocks, max(1, blocks // 16)))
+                nbytes = blocks * BLOCK_BYTES
+                emit(what="mechanism", layout=layout, mechanism=copier.last_mechanism, blocks=blocks,
+                     d2h_GBps=round(nbytes / d2h / 1e9, 2), h2d_GBps=round(nbytes / h2d / 1e9, 2),
+                     d2h_vs_memcpy=round(ref_d2h * blocks / n / d2h, 3), h2d_vs_memcpy=round(ref_h2d * blocks / n / h2d, 3),
+                     bytes_equal=ok)
+
+            def loop(direction, blocks, stop, copier=copier):
+                moved = 0
+                while not stop.is_set():
+                    copier.copy(direction, region, blocks, addrs)
+                    moved += len(blocks) * BLOCK_BYTES
+                return moved
+            # the two directions on two threads and two streams, as the worker's lanes run them
+            both = CudaCopier(0, pinned, mech)
+            res = matmul.with_traffic([lambda s: loop("d2h", src, s, both), lambda s: loop("h2d", dst, s, both)])
+            emit(what="mechanism_interference", layout=layout, mechanism=mech, **res)
+            copier.close()
+            both.close()
+        region.close()
+        del kv, region
+        torch.cuda.empty_cache()
+    emit(what="memcpy_reference", blocks=n, d2h_GBps=round(n * BLOCK_BYTES / ref_d2h / 1e9, 2),
+         h2d_GBps=round(n * BLOCK_BYTES / ref_h2d / 1e9, 2))
+    pinned.close()
+    host.close()
+
+
+# ---------------------------------------------------------------------------- daemons
+class Node:
+    def __init__(self, root: Path, **env) -> None:
+        self.root = root
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("DYN_KVBM_")}
+        self.env.update(DYN_KVBM_SOCKET_DIR=str(root / "s"), DYN_KVBM_DISK_CACHE_DIR=str(root / "disk"),
+                        DYN_LOG="info", DYN_KVBM_HOST_FREE_WATERMARK="0", DYN_KVBM_JOB_TIMEOUT_SECS="60",
+                        PYTHONUNBUFFERED="1", **env)
+        log = open(root / "daemons.log", "ab")
+        self.procs = [subprocess.Popen([sys.executable, "-m", "kvbm_leader"], env=self.env, stdout=log, stderr=log,
+                                       cwd=ROOT),
+                      subprocess.Popen([sys.executable, "-m", "kvbm_worker", "--gpu", "0", "--no-nixl"], env=self.env,
+                                       stdout=log, stderr=log, cwd=ROOT)]
+        from kvbm_client import KvbmClient, KvbmConfig
+        self.client = KvbmClient(KvbmConfig.from_env(self.env), timeout=60)
+        wait_attached(self.client, self.procs)
+
+
+    def stop(self) -> None:
+        self.client.close()
+        for p in reversed(self.procs):
+            p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def wait_attached(client, procs, timeout: float = 120.0) -> None:
+    """The GPU worker imports torch and creates its CUDA context before it attaches."""
+    end = time.monotonic() + timeout
+    while "0" not in client.workers:
+        if time.monotonic() > end or any(p.poll() is not None for p in procs):
+            raise RuntimeError("worker did not attach")
+        time.sleep(0.2)
+        client.refresh_workers()
+
+
+def fresh(n: int) -> list[bytes]:
+    return [os.urandom(16) for _ in range(n)]
+
+
+def register(node: Node, kv, layout: str) -> float:
+    from kvbm_client.cuda_export import export_kv_cache
+    t = time.perf_counter()
+    node.client.register_region("0", export_kv_cache(kv if layout == "layers" else kv[0],
+                                                     block_dim=0 if layout == "cross" else 1))
+    node.client.wait_ready(600)
+    return time.perf_counter() - t
+
+
+def bench_daemon(node: Node, kv, layout: str, refs: dict) -> dict:
+    import torch
+    c = node.client
+    rng = np.random.default_rng(1)
+    onboard_s = {}
+    for n in SIZES:
+        reps = 20 if n <= 16 else 8 if n <= 256 else 4
+        perm = rng.permutation(G1_BLOCKS)
+        src, dst = perm[:n].tolist(), perm[n:2 * n].tolist()
+        keys_list = []
+
+        def offload():
+            keys = fresh(n)
+            r = c.wait(c.offload(keys, src))
+            assert r.num_blocks == n, r
+            keys_list.append(keys)
+        t_off = median_time(offload, reps)
+        keys = keys_list[-1]
+        t_on = median_time(lambda: c.wait(c.onboard(keys, dst)), reps)
+        ok = all(torch.equal(block_ref(kv, layout, d), block_ref(kv, layout, s))
+                 for d, s in list(zip(dst, src))[::max(1, n // 16)])
+        ref_d2h, ref_h2d = refs[n]
+        onboard_s[n] = t_on
+        emit(what="daemon", layout=layout, blocks=n, MB=round(n * BLOCK_BYTES / 1e6, 1),
+             offload_ms=round(t_off * 1e3, 3), onboard_ms=round(t_on * 1e3, 3),
+             offload_GBps=round(n * BLOCK_BYTES / t_off / 1e9, 2), onboard_GBps=round(n * BLOCK_BYTES / t_on / 1e9, 2),
+             offload_vs_memcpy=round(ref_d2h / t_off, 3), onboard_vs_memcpy=round(ref_h2d / t_on, 3),
+             bytes_equal=ok)
+    return onboard_s
+
+
+def daemon_traffic(node: Node, batch: int = 256):
+    c = node.client
+    perm = np.random.default_rng(2).permutation(G1_BLOCKS)
+    src, dst = perm[:batch].tolist(), perm[batch:2 * batch].tolist()
+    keys = fresh(batch)
+    c.wait(c.offload(keys, src))
+
+    def offloads(stop):
+        moved = 0
+        while not stop.is_set():
+            moved += c.wait(c.offload(fresh(batch), src)).bytes
+        return moved
+
+    def onboards(stop):
+        moved = 0
+        while not stop.is_set():
+            moved += c.wait(c.onboard(keys, dst)).bytes
+        return moved
+    return [offloads, onboards]
+
+
+# ---------------------------------------------------------------------------- 3. TTFT
+def bench_prefill() -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+    cfg = Qwen3Config(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960)
+    cfg._attn_implementation = "sdpa"
+    with torch.device("cuda"):
+        try:
+            m = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+        except TypeError:
+            m = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16).eval()
+    out = {}
+    for ntok in (2048, 8192, 20000):
+        ids = torch.randint(0, 1000, (1, ntok), device="cuda")
+        ts = []
+        with torch.no_grad():
+            for i in range(4):
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                m(ids, logits_to_keep=1)
+                e.record()
+                e.synchronize()
+                if i:
+                    ts.append(s.elapsed_time(e) / 1e3)
+        out[ntok] = statistics.median(ts)
+    del m
+    torch.cuda.empty_cache()
+    return out
+
+
+def timed_onboard(node: Node, kv, layout: str, n: int, reps: int = 5) -> float:
+    c = node.client
+    perm = np.random.default_rng(3).permutation(G1_BLOCKS)
+    keys = fresh(n)
+    c.wait(c.offload(keys, perm[:n].tolist()))
+    return median_time(lambda: c.wait(c.onboard(keys, perm[n:2 * n].tolist())), reps)
+
+
+# ---------------------------------------------------------------------------- 4. G3
+def raw_odirect_read(path: str, nbytes: int, io: int = 16 << 20) -> float:
+    buf = mmap.mmap(-1, io)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        t = time.perf_counter()
+        for off in range(0, nbytes, io):
+            os.preadv(fd, [memoryview(buf)[:min(io, nbytes - off)]], off)
+        return time.perf_counter() - t
+    finally:
+        os.close(fd)
+        buf.close()
+
+
+def bench_disk(root: Path, kv, layout: str) -> None:
+    import torch
+    n = 1250
+    node = Node(root, DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS=str(n + 50))
+    try:
+        register(node, kv, layout)
+        c = node.client
+        perm = np.random.default_rng(4).permutation(G1_BLOCKS)
+        src, dst = perm[:n].tolist(), perm[n:2 * n].tolist()
+        keys = fresh(n)
+        t = time.perf_counter()
+        assert c.wait(c.offload(keys, src)).num_blocks == n
+        t_off = time.perf_counter() - t
+        ons = []
+        for _ in range(3):
+            t = time.perf_counter()
+            c.wait(c.onboard(keys, dst))
+            ons.append(time.perf_counter() - t)
+        ok = all(torch.equal(block_ref(kv, layout, d), block_ref(kv, layout, s)) for d, s in list(zip(dst, src))[::50])
+        path = glob.glob(str(root / "disk" / "kvbm-disk-cache-*"))[0]
+        raw = statistics.median(raw_odirect_read(path, n * BLOCK_BYTES) for _ in range(3))
+        t_on = statistics.median(ons)
+        emit(what="disk", layout=layout, blocks=n, GB=round(n * BLOCK_BYTES / 1e9, 2), io="preadv/pwritev (no NIXL)",
+             offload_g1_g3_GBps=round(n * BLOCK_BYTES / t_off / 1e9, 2),
+             onboard_g3_g1_GBps=round(n * BLOCK_BYTES / t_on / 1e9, 2),
+             raw_odirect_read_GBps=round(n * BLOCK_BYTES / raw / 1e9, 2), onboard_vs_raw=round(raw / t_on, 3),
+             bytes_equal=ok)
+    finally:
+        node.stop()
+
+
+# ---------------------------------------------------------------------------- main
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="gpu_transfer.jsonl")
+    ap.add_argument("--matmul-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: mech,daemon,interf,ttft,disk")
+    args = ap.parse_args()
+    if args.matmul_child:
+        matmul_child()
+        return 0
+    skip = set(args.skip.split(","))
+    import torch
+    import cuda.bindings
+    emit(what="env", torch=torch.__version__, gpu=torch.cuda.get_device_name(), cuda_bindings=cuda.bindings.__version__,
+         block_bytes=BLOCK_BYTES, layout="16 tok x 36 layers x 8 heads x 128 dim bf16")
+    root = Path(tempfile.mkdtemp(prefix="kvbm-gpu-bench-"))
+    matmul = Matmul()
+    try:
+        emit(what="matmul_alone", tflops=round(matmul.measure(2.0), 1))
+        if "mech" not in skip:
+            bench_mechanisms(matmul)
+        kvs = {layout: make_kv(layout) for layout in ("cross", "layers")}
+        dev_flat = kvs["cross"][0].view(-1).view(torch.uint8)
+        host_flat = torch.empty(1250 * BLOCK_BYTES, dtype=torch.uint8, pin_memory=True)
+        refs = {n: memcpy_reference(n * BLOCK_BYTES, dev_flat, host_flat) for n in SIZES}
+        for n, (d, h) in refs.items():
+            emit(what="memcpy", blocks=n, d2h_GBps=round(n * BLOCK_BYTES / d / 1e9, 2),
+                 h2d_GBps=round(n * BLOCK_BYTES / h / 1e9, 2))
+        del host_flat
+        onboard = {}
+        if not {"daemon", "interf", "ttft"} <= skip:
+            (root / "g2").mkdir()
+            node = Node(root / "g2", DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS=str(G1_BLOCKS))
+            try:
+                for layout in ("cross", "layers"):
+                    secs = register(node, kvs[layout], layout)
+                    emit(what="register_and_ready", layout=layout, seconds=round(secs, 2),
+                         G2_GB=round(G1_BLOCKS * BLOCK_BYTES / 1e9, 2))
+                    if "daemon" not in skip:
+                        onboard[layout] = bench_daemon(node, kvs[layout], layout, refs)
+                    if "interf" not in skip:
+                        res = matmul.with_traffic(daemon_traffic(node))
+                        emit(what="interference", layout=layout, via="daemons, 256-block offloads + onboards", **res)
+                    if layout == "cross" and "ttft" not in skip and "daemon" in skip:
+                        onboard["cross"] = {n: timed_onboard(node, kvs[layout], layout, n) for n in (128, 512, 1250)}
+                    node.client.unregister_region("0")
+            finally:
+                node.stop()
+        matmul.close()
+        if "ttft" not in skip and "cross" in onboard:
+            prefill = bench_prefill()
+            for ntok, blocks in ((2048, 128), (8192, 512), (20000, 1250)):
+                t_on = onboard["cross"][blocks]
+                emit(what="ttft", tokens=ntok, blocks=blocks, kv_GB=round(blocks * BLOCK_BYTES / 1e9, 2),
+                     prefill_ms=round(prefill[ntok] * 1e3, 1), onboard_ms=round(t_on * 1e3, 1),
+                     speedup=round(prefill[ntok] / t_on, 2))
+        if "disk" not in skip:
+            (root / "g3").mkdir()
+            bench_disk(root / "g3", kvs["cross"], "cross")
+    finally:
+        with open(args.out, "w") as f:
+            for row in OUT:
+                f.write(json.dumps(row) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

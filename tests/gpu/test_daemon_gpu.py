@@ -1,0 +1,66 @@
+"""The real daemons with ``--gpu 0``: the engine (this process) exports its KV cache through CUDA
+IPC; offload, overwrite, onboard into other blocks (G2, and G3 in disk-only mode), bytes equal."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from gpu_support import cuda_ready
+
+if cuda_ready():
+    pytest.skip(cuda_ready(), allow_module_level=True)
+
+import torch  # noqa: E402
+
+from gpu_kv import block_bytes, block_dim, fill_random, make_kv  # noqa: E402
+from kvbm_client import Tier  # noqa: E402
+from kvbm_client.cuda_export import export_kv_cache  # noqa: E402
+
+NUM_BLOCKS, LAYERS = 96, 4
+
+
+def keys(n: int, seed: int) -> list[bytes]:
+    return [bytes([seed]) + os.urandom(15) for _ in range(n)]
+
+
+def roundtrip(node, layout_from: str, layout_to: str, tier: Tier) -> None:
+    client = node.client()
+    kv = make_kv(layout_from, NUM_BLOCKS, LAYERS)
+    fill_random(kv, 1)
+    client.register_region("0", export_kv_cache(kv, block_dim=block_dim(layout_from)))
+    client.wait_ready(60)
+    hs, src = keys(40, 1), list(range(3, 43))
+    ref = [block_bytes(kv, layout_from, b).clone() for b in src]
+    res = client.wait(client.offload(hs, src))
+    assert res.num_blocks == 40, node.log()[-3000:]
+    assert client.match(hs).tiers == (tier,) * 40
+    if layout_to != layout_from:
+        client.unregister_region("0")
+        kv = make_kv(layout_to, NUM_BLOCKS, LAYERS)
+        client.register_region("0", export_kv_cache(kv, block_dim=block_dim(layout_to)))
+        client.wait_ready(60)
+    fill_random(kv, 2)  # the engine reuses its memory
+    dst = list(range(50, 90))
+    client.wait(client.onboard(hs, dst))
+    for d, r in zip(dst, ref):
+        assert torch.equal(block_bytes(kv, layout_to, d), r), f"block {d} onboarded wrong bytes"
+    client.unregister_region("0")
+
+
+@pytest.mark.parametrize("layouts", [("cross", "cross"), ("layers", "layers"), ("cross", "layers")])
+def test_g2_roundtrip_through_ipc(gpu_node, layouts):
+    node = gpu_node(DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS="64")
+    roundtrip(node, *layouts, Tier.HOST)
+
+
+@pytest.mark.parametrize("mechanism", ["runs", "gather"])
+def test_g2_roundtrip_forced_mechanism(gpu_node, mechanism):
+    node = gpu_node("--cuda-copy", mechanism, DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS="64")
+    roundtrip(node, "layers", "layers", Tier.HOST)
+
+
+def test_disk_only_g1_g3_roundtrip(gpu_node):
+    # 64 disk slots: bounce buffers of 32 + 32 rows, so 40 blocks take two pipelined chunks
+    node = gpu_node(DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS="64")
+    roundtrip(node, "layers", "layers", Tier.DISK)
