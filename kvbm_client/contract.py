@@ -26,6 +26,11 @@ GRPC_OPTIONS = [
     # "too_many_pings" and the worker's attach stream (and its blocks) would drop.
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
     ("grpc.http2.max_ping_strikes", 0),
+    # Peers are local daemons that restart in about a second: redial quickly instead of
+    # gRPC's default reconnect backoff of up to two minutes.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
 

@@ -147,11 +147,19 @@ class TierManager:
         seen: set[BlockHash] = set()
         for i, key in enumerate(keys):
             entry = self.registry.get(key)
-            if key in seen or (entry is not None and tier in entry.copies):
+            if key in seen:
                 plan.skipped_present += 1
                 continue
             seen.add(key)
-            self.frequency.observe(key)
+            # Dynamo's filter: 1 on first sight, doubled on each later sight. A block offered
+            # again (another request computed the same prefix) is a later sight, stored or not.
+            if self.frequency.frequency(key) > 0:
+                self.frequency.hit(key)
+            else:
+                self.frequency.observe(key)
+            if entry is not None and tier in entry.copies:
+                plan.skipped_present += 1
+                continue
             slot = self._take_slot(tier, plan) if tier is not None else None
             if slot is None:
                 plan.skipped_full += 1

@@ -126,11 +126,14 @@ def test_prepare_store_records_parents() -> None:
     assert tm.registry.get(key(2)).parent == key(1)
 
 
-def test_prepare_store_observes_frequency_once() -> None:
+def test_prepare_store_counts_each_later_sight() -> None:
     tm = make_manager(host=4)
     store(tm, 1)
-    store(tm, 1)  # present: skipped, not seen again
-    assert tm.frequency.frequency(key(1)) == 1
+    assert tm.frequency.frequency(key(1)) == 1  # first sight
+    store(tm, 1)  # present: skipped, but offered again -> a later sight doubles it
+    assert tm.frequency.frequency(key(1)) == 2
+    tm.prepare_store(next_job(), keys(1, 1))  # a duplicate within one request counts once
+    assert tm.frequency.frequency(key(1)) == 4
 
 
 @pytest.mark.parametrize("pending", [True, False], ids=["pending", "ready"])

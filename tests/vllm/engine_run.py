@@ -19,7 +19,8 @@ import time
 def workload_prompts(users: int, sys_len: int, turn_len: int, seed: int) -> tuple[list[int], list[list[int]]]:
     rnd = random.Random(seed)
     system = [rnd.randrange(10, 1000) for _ in range(sys_len)]
-    return system, [[rnd.randrange(10, 1000) for _ in range(turn_len)] for _ in range(users)]
+    turns = [[rnd.randrange(10, 1000) for _ in range(turn_len)] for _ in range(users)]
+    return system, turns
 
 
 def main() -> None:
@@ -37,7 +38,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--salts", default="", help="comma-separated cache_salt per user (cycled)")
-    p.add_argument("--pause-after-round", type=int, default=-1)
+    p.add_argument("--same-first-turn", action="store_true", help="every user starts with the same turn")
+    p.add_argument("--pause-after-rounds", default="", help="comma-separated rounds to pause after")
     p.add_argument("--pause-dir", default="")
     args = p.parse_args()
 
@@ -59,7 +61,10 @@ def main() -> None:
     system, first_turns = workload_prompts(args.users, args.sys_len, args.turn_len, args.seed)
     rnd = random.Random(args.seed + 1)
     salts = [s for s in args.salts.split(",") if s] or [None]
+    if args.same_first_turn:
+        first_turns = [first_turns[0]] * args.users
     hist = {u: system + first_turns[u] for u in range(args.users)}
+    pauses = {int(x) for x in args.pause_after_rounds.split(",") if x}
     records = []
     for r in range(args.rounds):
         for u in range(args.users):
@@ -74,9 +79,9 @@ def main() -> None:
             records.append({"round": r, "user": u, "prompt_len": len(hist[u]), "output": toks,
                             "cached": out.num_cached_tokens or 0, "seconds": ttft})
             hist[u] = hist[u] + toks + [rnd.randrange(10, 1000) for _ in range(args.turn_len)]
-        if r == args.pause_after_round and args.pause_dir:
-            open(os.path.join(args.pause_dir, "paused"), "w").close()
-            while not os.path.exists(os.path.join(args.pause_dir, "resume")):
+        if r in pauses and args.pause_dir:  # the test acts on kvbm between rounds
+            open(os.path.join(args.pause_dir, f"paused-{r}"), "w").close()
+            while not os.path.exists(os.path.join(args.pause_dir, f"resume-{r}")):
                 time.sleep(0.1)
     metrics = {}
     for m in llm.get_metrics():

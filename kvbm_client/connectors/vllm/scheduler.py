@@ -109,9 +109,12 @@ class KvbmConnectorScheduler:
             return state.load.num_blocks * self.block_size, True  # asked again: same answer
         keys = self._keys(state)
         first = num_computed_tokens // self.block_size
-        if first >= len(keys) or state.load_sent:
+        # Leave at least one prompt token to compute: vLLM's CPU kernels crash (SIGILL) on a
+        # request whose whole prompt arrives from a connector.
+        last = min(len(keys), (request.num_tokens - 1) // self.block_size)
+        if first >= last or state.load_sent:
             return 0, False
-        handle = self._call("prepare_load", keys[first:], count_hit=True, tokens_per_block=self.block_size)
+        handle = self._call("prepare_load", keys[first:last], count_hit=True, tokens_per_block=self.block_size)
         if handle is None or handle.is_empty:
             return 0, False
         state.load, state.load_first_block = handle, first

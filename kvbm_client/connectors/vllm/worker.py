@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -78,6 +79,9 @@ class KvbmConnectorWorker:
         self._load_errors: set[int] = set()
         self._awaiting_send: set[str] = set()
         self._pending_store_reqs: dict[str, int] = {}
+        self._lock = threading.Lock()  # region and channel, shared with the watchdog
+        self._stop = threading.Event()
+        self._watchdog = threading.Thread(target=self._watch, name="kvbm-region-watchdog", daemon=True)
 
     # ------------------------------------------------------------------ region
     def set_region(self, spec: RegionSpec | None) -> None:
@@ -86,7 +90,10 @@ class KvbmConnectorWorker:
             log.warning("kvbm: the engine's KV cache is not shareable with the worker daemon; "
                         "serving without kvbm")
             return
-        self._ensure_region()
+        with self._lock:
+            self._ensure_region()
+        if not self._watchdog.is_alive():
+            self._watchdog.start()
 
     def _ensure_region(self) -> bool:
         if self.region_id is not None:
@@ -110,11 +117,16 @@ class KvbmConnectorWorker:
                 log.warning("kvbm worker %s lost (%s); will re-register", self.worker_id, exc.code().name)
             self.region_id = None
             self._backoff.failed()
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:  # dial a restarted daemon afresh
+                self._channel.close()
+                self._channel = grpc.insecure_channel(self.address, options=GRPC_OPTIONS)
+                self._stub = rpc.WorkerStub(self._channel)
 
     # ------------------------------------------------------------------ transfers
     def _submit(self, plan: bytes, signature: bytes, blocks: list[int]) -> grpc.Future | None:
-        if not self._ensure_region():
-            return None
+        with self._lock:
+            if not self._ensure_region():
+                return None
         request = pb.TransferRequest(region_id=self.region_id, plan=pb.SignedPlan(plan=plan, signature=signature),
                                      engine_blocks=blocks)
         return self._stub.Transfer.future(request, timeout=max(self.settings.timeout_s, 30.0))
@@ -148,7 +160,10 @@ class KvbmConnectorWorker:
             item.future.result()
         except grpc.RpcError as exc:
             log.warning("kvbm store of %d blocks failed: %s", len(item.engine_blocks), exc.details())
-            self._lost(exc)
+            with self._lock:
+                self._lost(exc)
+        except Exception as exc:  # cancelled with a replaced channel: a failed store, no more
+            log.warning("kvbm store of %d blocks failed: %r", len(item.engine_blocks), exc)
         for req_id in item.req_ids:
             left = self._pending_store_reqs.get(req_id, 0) - 1
             if left > 0:
@@ -165,7 +180,11 @@ class KvbmConnectorWorker:
             except grpc.RpcError as exc:
                 log.warning("kvbm load for %s failed (%s); vLLM recomputes it", req_id, exc.details())
                 self._load_errors.update(item.engine_blocks)
-                self._lost(exc)
+                with self._lock:
+                    self._lost(exc)
+            except Exception as exc:  # cancelled with a replaced channel
+                log.warning("kvbm load for %s failed (%r); vLLM recomputes it", req_id, exc)
+                self._load_errors.update(item.engine_blocks)
             recving.add(req_id)
             del self._loads[req_id]
         if meta is not None:
@@ -180,15 +199,36 @@ class KvbmConnectorWorker:
         self._stores = still
         sending = {r for r in self._awaiting_send if r not in self._pending_store_reqs}
         self._awaiting_send -= sending
-        if self.region_id is None:
-            self._ensure_region()
         return (sending or None), (recving or None)
+
+    def _watch(self) -> None:
+        """Every ``retry_s``, also while the engine is idle: make sure the daemon still holds
+        our region. A daemon that was restarted (kill -9, upgrade) has none, and the leader
+        needs our layout again before it can plan pools, so no failed transfer would tell us."""
+        while not self._stop.wait(self.settings.retry_s):
+            with self._lock:
+                self._check_region()
+
+    def _check_region(self) -> None:
+        if self.region_id is not None:
+            try:
+                status = self._stub.Status(pb.WorkerStatusRequest(), timeout=self.settings.timeout_s)
+            except grpc.RpcError as exc:
+                self._lost(exc)
+                return
+            if status.region_id == self.region_id:
+                return
+            log.warning("kvbm worker %s no longer holds our region (restarted?); re-registering", self.worker_id)
+            self.region_id = None
+            self._backoff.reset()
+        self._ensure_region()
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def shutdown(self) -> None:
+        self._stop.set()
         self.fence_stores()
         if self.region_id is not None:
             try:

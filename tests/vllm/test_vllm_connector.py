@@ -1,0 +1,98 @@
+"""The connector on the real vLLM engine (CPU build, eager, greedy, tiny local model).
+
+G1 (``kv_cache_memory_bytes``) is deliberately small, so a user's history is evicted from
+the engine between its turns and must come back from kvbm. Outputs are compared with the
+baseline run without kvbm (bit for bit), and vLLM's own counters show the external hits.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from conftest import run_engine
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def outputs(result: dict) -> list[list[int]]:
+    return [r["output"] for r in result["records"]]
+
+
+def cached(result: dict) -> int:
+    return sum(r["cached"] for r in result["records"])
+
+
+def test_identical_outputs_and_hits_from_g2(vllm_python, tiny_model, baseline, kvbm_node, tmp_path):
+    node = kvbm_node(DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS="512")
+    result = run_engine(vllm_python, tiny_model, tmp_path / "g2.json", "--kvbm", "--rounds", "4", env=node.env)
+    assert outputs(result) == outputs(baseline)
+    assert result["metrics"]["vllm:external_prefix_cache_hits"] > 0
+    assert cached(result) > cached(baseline), "kvbm served no tokens that G1 had lost"
+    c = node.counters()
+    assert c["kvbm_offload_blocks_d2h"] > 0 and c["kvbm_onboard_blocks_h2d"] > 0
+    assert c["kvbm_onboard_blocks_h2d"] * 32 >= result["metrics"]["vllm:external_prefix_cache_hits"]
+
+
+def test_identical_outputs_through_g3(vllm_python, tiny_model, baseline, kvbm_node, tmp_path):
+    node = kvbm_node(DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS="12", DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS="512")
+    result = run_engine(vllm_python, tiny_model, tmp_path / "g3.json", "--kvbm", "--rounds", "4", env=node.env)
+    assert outputs(result) == outputs(baseline)
+    c = node.counters()
+    assert c["kvbm_offload_blocks_h2d"] > 0, "nothing went G2 -> G3"
+    assert c["kvbm_onboard_blocks_d2d"] > 0, "nothing came back from G3"
+    assert result["metrics"]["vllm:external_prefix_cache_hits"] > 0
+
+
+def test_tenants_with_different_cache_salt_never_share(vllm_python, tiny_model, kvbm_node, tmp_path):
+    node = kvbm_node(DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS="512")
+    result = run_engine(vllm_python, tiny_model, tmp_path / "salt.json", "--kvbm", "--rounds", "1",
+                        "--same-first-turn", "--salts", "tenant-a,tenant-b", env=node.env)
+    first = {r["user"]: r for r in result["records"] if r["round"] == 0}
+    # Users 0 and 2 are tenant A, 1 and 3 tenant B, all with the same tokens.
+    assert first[0]["cached"] == 0
+    assert first[1]["cached"] == 0, "tenant B was served tenant A's blocks"
+    assert first[2]["cached"] > 0 and first[3]["cached"] > 0, "a tenant missed its own blocks"
+
+
+def _wait_file(path, proc, timeout=300) -> None:
+    end = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, "the engine died"
+        assert time.monotonic() < end, f"timed out waiting for {path.name}"
+        time.sleep(0.1)
+
+
+def test_worker_killed_mid_workload(vllm_python, tiny_model, baseline, kvbm_node, tmp_path):
+    node = kvbm_node(DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS="512")
+    pause = tmp_path / "pause"
+    pause.mkdir()
+    out = tmp_path / "kill.json"
+    proc = run_engine(vllm_python, tiny_model, out, "--kvbm", "--rounds", "4", "--pause-after-rounds", "0,1",
+                      "--pause-dir", str(pause), env=node.env, wait=False)
+    _wait_file(pause / "paused-0", proc)
+    node.kill("worker")  # SIGKILL: its pools and every block go with it
+    (pause / "resume-0").touch()
+    _wait_file(pause / "paused-1", proc)  # round 1 ran without a worker
+    before = node.counters()
+    node.start("worker")  # as `kvbm serve` would restart it
+    node.wait_ready(60)  # the idle engine's connector re-registers its KV cache by itself
+    (pause / "resume-1").touch()
+    assert proc.wait(400) == 0, out.with_suffix(".log").read_text()[-3000:]
+    import json
+    result = json.loads(out.read_text())
+    assert outputs(result) == outputs(baseline)
+    after = node.counters()
+    assert after["kvbm_offload_blocks_d2h"] > before["kvbm_offload_blocks_d2h"], "no offload after the restart"
+    assert after["kvbm_onboard_blocks_h2d"] > before["kvbm_onboard_blocks_h2d"], "no hits after the restart"
+    assert after["kvbm_lost_blocks"] > 0
+
+
+def test_engine_restart_hits_old_prefixes(vllm_python, tiny_model, kvbm_node, tmp_path):
+    node = kvbm_node(DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS="512")
+    first = run_engine(vllm_python, tiny_model, tmp_path / "run1.json", "--kvbm", "--rounds", "2", env=node.env)
+    second = run_engine(vllm_python, tiny_model, tmp_path / "run2.json", "--kvbm", "--rounds", "2", env=node.env)
+    assert first["records"][0]["cached"] == 0
+    assert second["records"][0]["cached"] > 0, "the restarted engine got no hit on the old prefixes"
+    assert second["metrics"]["vllm:external_prefix_cache_hits"] > first["metrics"]["vllm:external_prefix_cache_hits"]
+    assert outputs(second) == outputs(first)
