@@ -96,3 +96,15 @@ def test_engine_restart_hits_old_prefixes(vllm_python, tiny_model, kvbm_node, tm
     assert second["records"][0]["cached"] > 0, "the restarted engine got no hit on the old prefixes"
     assert second["metrics"]["vllm:external_prefix_cache_hits"] > first["metrics"]["vllm:external_prefix_cache_hits"]
     assert outputs(second) == outputs(first)
+
+
+def test_engine_serves_without_kvbm_running(vllm_python, tiny_model, baseline, tmp_path):
+    """No leader, no worker: the connector warns, retries in the background, and vLLM serves."""
+    import os
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DYN_KVBM_")}
+    env["DYN_KVBM_SOCKET_DIR"] = str(tmp_path / "nothing-listens-here")
+    start = time.monotonic()
+    result = run_engine(vllm_python, tiny_model, tmp_path / "alone.json", "--kvbm", "--rounds", "4", env=env)
+    assert outputs(result) == outputs(baseline)
+    assert result["metrics"]["vllm:external_prefix_cache_hits"] == 0
+    assert time.monotonic() - start < 300
