@@ -42,3 +42,4 @@ class PlanKind(enum.IntEnum):
     STORE = 1  # engine -> tier (offload)
     LOAD = 2  # tier -> engine (onboard)
     DEMOTE = 3  # host -> disk (leader-initiated)
+    PROMOTE = 4  # disk -> host (leader-initiated, after a G3 hit)

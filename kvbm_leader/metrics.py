@@ -26,6 +26,7 @@ COUNTERS = {
     "kvbm_offload_skipped_present": "Offload requests skipped: block already stored",
     "kvbm_offload_skipped_full": "Offload requests skipped: target pool full or not ready",
     "kvbm_evicted_blocks": "Blocks dropped from the cache by eviction",
+    "kvbm_promoted_blocks": "Blocks copied back from disk to host after a disk hit",
     "kvbm_failed_jobs": "Transfer jobs rolled back (worker failure, timeout, release)",
     "kvbm_lost_blocks": "Blocks dropped because a worker's pools were lost",
     "kvbm_kv_events_published": "KV events published on NATS (kvbm.v1.events.<node>)",

@@ -9,6 +9,7 @@ Protocol:
                                                  frequent ones G2 -> G3 first
     prepare_load(job, keys)  -> LoadDecision    pin the longest ready prefix
     prepare_demotion(job, n) -> LoadDecision    background G2 -> G3 for the watermark
+    prepare_promotion(job, keys) -> JobPlan     G3 -> G2 for blocks just hit on disk
     complete(job, success)   -> Outcome          commit (pending -> ready / unpin) or roll back
 
 Invariants: only ready copies are matchable; a pinned block or a copy being read by a
@@ -48,13 +49,14 @@ class JobPlan:
     slots: list[SlotId] = field(default_factory=list)
     indices: list[int] = field(default_factory=list)  # STORE: index into the request
     demotions: list[Demotion] = field(default_factory=list)
+    promotions: list[Demotion] = field(default_factory=list)  # (key, host slot <- disk slot)
     skipped_present: int = 0
     skipped_full: int = 0
     dropped: int = 0  # evicted without a copy elsewhere
 
     @property
     def is_empty(self) -> bool:
-        return not self.keys and not self.demotions
+        return not self.keys and not self.demotions and not self.promotions
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +66,7 @@ class Outcome:
     stored: dict[Tier, int]  # HOST: offload_blocks_d2h, DISK: offload_blocks_d2d
     demoted: int  # offload_blocks_h2d (host -> disk)
     loaded: dict[Tier, int]  # HOST: onboard_blocks_h2d, DISK: onboard_blocks_d2d
+    promoted: int = 0  # disk -> host
 
 
 class TierManager:
@@ -215,6 +218,27 @@ class TierManager:
             need -= 1
         return plan
 
+    def prepare_promotion(self, job_id: JobId, keys: list[BlockHash]) -> JobPlan:
+        """Copy blocks that were just hit on G3 back into G2, so their next hit is fast. The G3
+        copy stays (it is read, and stays valid); the new G2 copy is pending until commit.
+        Nothing changes for a block that has no room in G2."""
+        plan = JobPlan(job_id, PlanKind.PROMOTE)
+        if Tier.HOST not in self.registry.pools:
+            return plan
+        for key in keys:
+            entry = self.registry.get(key)
+            if (entry is None or not entry.ready_in(Tier.DISK) or Tier.HOST in entry.copies
+                    or entry.busy_job is not None):
+                continue
+            entry.busy_job = job_id  # its G3 copy is read: not evictable until settled
+            host_slot = self._take_slot(Tier.HOST, plan)
+            if host_slot is None:
+                entry.busy_job = None
+                break
+            self.registry.add_copy(entry, Tier.HOST, host_slot, job_id)
+            plan.promotions.append(Demotion(key, host_slot, entry.copies[Tier.DISK].slot))
+        return plan
+
     # ------------------------------------------------------------------ complete
     def _settle_copy(self, key: BlockHash, tier: Tier, job_id: JobId, success: bool) -> bool:
         entry = self.registry.get(key)
@@ -248,7 +272,13 @@ class TierManager:
                 if entry is not None and entry.pins > 0:
                     entry.pins -= 1
                 loaded[tier] += success
-        return Outcome(stored, demoted, loaded)
+        promoted = 0
+        for p in plan.promotions:
+            promoted += self._settle_copy(p.key, Tier.HOST, plan.job_id, success)
+            entry = self.registry.get(p.key)
+            if entry is not None and entry.busy_job == plan.job_id:
+                entry.busy_job = None
+        return Outcome(stored, demoted, loaded, promoted)
 
     def reset(self) -> int:
         """Forget every block (a worker's pools were lost); returns how many were dropped."""

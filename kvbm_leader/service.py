@@ -24,7 +24,7 @@ from .events import NullEvents
 from .jobs import Job, JobState, JobTable
 from .membership import Layout, Membership, WorkerRecord
 from .metrics import LeaderMetrics
-from .placement import JobPlan, Outcome, TierManager
+from .placement import JobPlan, MatchResult, Outcome, TierManager
 from .policies.frequency import FrequencyFilter
 from .sessions import SessionTable
 
@@ -57,6 +57,7 @@ class LeaderService(rpc.LeaderServicer):
         self._attached = asyncio.Event()
         self._background: set[asyncio.Task] = set()
         self._demotion_in_flight = False
+        self._promotion_in_flight = False
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -121,7 +122,9 @@ class LeaderService(rpc.LeaderServicer):
                                slots=plan.slots, deadline=deadline, epoch=self.membership.plan.epoch,
                                leader_id=self.leader_id,
                                demote_host_slots=[d.host_slot for d in plan.demotions],
-                               demote_disk_slots=[d.disk_slot for d in plan.demotions])
+                               demote_disk_slots=[d.disk_slot for d in plan.demotions],
+                               promote_host_slots=[d.host_slot for d in plan.promotions],
+                               promote_disk_slots=[d.disk_slot for d in plan.promotions])
         return job, sign_plan(wire, self.secret)
 
     def _settle(self, job: Job, success: bool, why: str = "") -> Outcome:
@@ -135,6 +138,7 @@ class LeaderService(rpc.LeaderServicer):
         m.inc("kvbm_offload_blocks_h2d", outcome.demoted)
         m.inc("kvbm_onboard_blocks_h2d", outcome.loaded[Tier.HOST])
         m.inc("kvbm_onboard_blocks_d2d", outcome.loaded[Tier.DISK])
+        m.inc("kvbm_promoted_blocks", outcome.promoted)
         if not success:
             m.inc("kvbm_failed_jobs")
         log.debug("%s job=%d %s: %d blocks, %d demotions%s", job.plan.kind.name.lower(), job.job_id,
@@ -219,16 +223,33 @@ class LeaderService(rpc.LeaderServicer):
         keys = await self._hashes(request.hashes, context)
         if not self.membership.ready:
             return pb.PrepareLoadResponse(num_planned=0)
-        if request.count_hit:
-            self._count_lookup(keys, self.tiers.match(keys, count_hit=True), request.tokens_per_block)
         plan = self.tiers.prepare_load(self.jobs.next_id(), keys)
+        if request.count_hit:  # the same prefix a match would find: count it without a second pass
+            hit = self.frequency.hit
+            for key in plan.keys:
+                hit(key)
+            self._count_lookup(keys, MatchResult(len(plan.keys), tuple(plan.tiers)), request.tokens_per_block)
         resp = pb.PrepareLoadResponse(num_planned=len(plan.keys))
         if plan.keys:
             _, signed = self._new_job(plan, session)
             resp.plan.CopyFrom(signed)
         log.debug("onboard decision job=%d: load %d/%d [%s] from %s", plan.job_id, len(plan.keys), len(keys),
                   _short(plan.keys), ",".join(sorted({t.label for t in plan.tiers})) or "-")
+        self._maybe_promote([k for k, t in zip(plan.keys, plan.tiers) if t is Tier.DISK])
         return resp
+
+    def _maybe_promote(self, keys: list[BlockHash]) -> None:
+        """After a G3 hit, copy the blocks back to G2 (one promotion job in flight at a time)."""
+        if not keys or self._promotion_in_flight:
+            return
+        plan = self.tiers.prepare_promotion(self.jobs.next_id(), keys)
+        self.metrics.inc("kvbm_evicted_blocks", plan.dropped)
+        if plan.promotions:
+            job, signed = self._new_job(plan, None)
+            log.debug("promotion decision job=%d: G3->G2 %d blocks, demote %d, dropped %d", job.job_id,
+                      len(plan.promotions), len(plan.demotions), plan.dropped)
+            self._promotion_in_flight = True
+            self._spawn(self._send_command(job, signed, "_promotion_in_flight"))
 
     async def Release(self, request, context):
         session = await self._session(request.session_id, context)
@@ -414,13 +435,13 @@ class LeaderService(rpc.LeaderServicer):
             log.debug("demotion decision job=%d: G2->G3 %d blocks, dropped %d", job.job_id,
                       len(plan.demotions), plan.dropped)
             self._demotion_in_flight = True
-            self._spawn(self._send_demotion(job, signed))
+            self._spawn(self._send_command(job, signed, "_demotion_in_flight"))
 
-    async def _send_demotion(self, job: Job, signed: pb.SignedPlan) -> None:
+    async def _send_command(self, job: Job, signed: pb.SignedPlan, in_flight_flag: str) -> None:
         try:
             await asyncio.gather(*(self._command(w, job, signed) for w in job.expected))
         finally:
-            self._demotion_in_flight = False
+            setattr(self, in_flight_flag, False)
 
     async def _command(self, worker_id: WorkerId, job: Job, signed: pb.SignedPlan) -> None:
         record = self.membership.workers.get(worker_id)

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 
 from kvbm_client.contract import pb, rpc, verify_plan
 from kvbm_client.ids import PlanKind, Tier
@@ -71,7 +72,7 @@ class WorkerService(rpc.WorkerServicer):
         self.leader_id = ""
         self.closing = False
         self.alloc_progress = 0.0
-        self.counters: dict[str, float] = {"bytes_stored": 0, "bytes_loaded": 0, "bytes_demoted": 0,
+        self.counters: dict[str, float] = {"bytes_stored": 0, "bytes_loaded": 0, "bytes_demoted": 0, "bytes_promoted": 0,
                                            "jobs_ok": 0, "jobs_failed": 0}
         self._reporter = reporter  # async (job_id, ok, error, bytes, seconds) -> accepted
         self._on_layout = None  # async callback when a region (layout) appears
@@ -80,6 +81,7 @@ class WorkerService(rpc.WorkerServicer):
                        "load": ThreadPoolExecutor(1, thread_name_prefix="kvbm-load")}
         self._inflight = 0
         self._idle = asyncio.Condition()
+        self._reports: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------------ helpers
     async def _guard(self, context) -> None:
@@ -107,20 +109,27 @@ class WorkerService(rpc.WorkerServicer):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"job {plan.job_id} is past its deadline")
         pools = self.pools
         for name, slots, tier in (("demote_host_slots", plan.demote_host_slots, Tier.HOST),
-                                  ("demote_disk_slots", plan.demote_disk_slots, Tier.DISK)):
+                                  ("demote_disk_slots", plan.demote_disk_slots, Tier.DISK),
+                                  ("promote_host_slots", plan.promote_host_slots, Tier.HOST),
+                                  ("promote_disk_slots", plan.promote_disk_slots, Tier.DISK)):
             limit = pools.slots(tier)
             bad = next((s for s in slots if s >= limit), None)
             if bad is not None:
                 await context.abort(grpc.StatusCode.OUT_OF_RANGE, f"{name}: slot {bad} >= {limit}")
-        if len(plan.demote_host_slots) != len(plan.demote_disk_slots):
+        if (len(plan.demote_host_slots) != len(plan.demote_disk_slots)
+                or len(plan.promote_host_slots) != len(plan.promote_disk_slots)):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "demotion slot lists differ in length")
         if len(plan.tiers) != len(plan.slots):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "plan tiers and slots differ in length")
-        for tier_value, slot in zip(plan.tiers, plan.slots):
-            limit = pools.slots(Tier(tier_value)) if tier_value in (Tier.HOST, Tier.DISK) else 0
-            if slot >= limit:
-                await context.abort(grpc.StatusCode.OUT_OF_RANGE,
-                                    f"slot {slot} outside tier {tier_value} of {limit} slots")
+        tiers = np.asarray(plan.tiers, np.int64)
+        slots = np.asarray(plan.slots, np.int64)
+        limits = np.where(tiers == Tier.HOST, pools.slots(Tier.HOST),
+                          np.where(tiers == Tier.DISK, pools.slots(Tier.DISK), 0))
+        bad = np.flatnonzero(slots >= limits)
+        if bad.size:
+            i = int(bad[0])
+            await context.abort(grpc.StatusCode.OUT_OF_RANGE,
+                                f"slot {slots[i]} outside tier {tiers[i]} of {limits[i]} slots")
         return plan
 
     async def _execute(self, lane: str, batch: Batch, region: EngineRegion | None) -> tuple[int, float]:
@@ -182,20 +191,20 @@ class WorkerService(rpc.WorkerServicer):
         if region is None or region.region_id != request.region_id:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown region {request.region_id!r}")
         plan = await self._verified(request.plan, context)
-        kind = PlanKind(plan.kind) if plan.kind in (1, 2, 3) else None
+        kind = PlanKind(plan.kind) if plan.kind in (1, 2, 3, 4) else None
         if kind not in (PlanKind.STORE, PlanKind.LOAD):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"plan kind {plan.kind} is not a transfer")
-        blocks = list(request.engine_blocks)
+        blocks = np.asarray(request.engine_blocks, np.int64)
         if len(blocks) != len(plan.slots):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"{len(blocks)} engine blocks for a plan of {len(plan.slots)} entries")
-        bad = next((b for b in blocks if b >= region.num_blocks), None)
-        if bad is not None:
+        if len(blocks) and int(blocks.max()) >= region.num_blocks:
             await context.abort(grpc.StatusCode.OUT_OF_RANGE,
-                                f"engine block {bad} outside 0..{region.num_blocks - 1}")
-        if kind is PlanKind.LOAD and len(set(blocks)) != len(blocks):
+                                f"engine block {int(blocks.max())} outside 0..{region.num_blocks - 1}")
+        if kind is PlanKind.LOAD and len(np.unique(blocks)) != len(blocks):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a load writes one engine block twice")
-        batch = Batch(kind, [Tier(t) for t in plan.tiers], list(plan.slots), blocks,
+        # NOTE: numpy arrays, not per-entry Python objects: a 1250-block plan costs no Python loop here.
+        batch = Batch(kind, np.asarray(plan.tiers, np.int64), np.asarray(plan.slots, np.int64), blocks,
                       list(plan.demote_host_slots), list(plan.demote_disk_slots))
         lane = "store" if kind is PlanKind.STORE else "load"
         try:
@@ -210,6 +219,13 @@ class WorkerService(rpc.WorkerServicer):
         self.counters["jobs_ok"] += 1
         log.debug("job %d %s: %d blocks, %d bytes in %.2f ms", plan.job_id, kind.name.lower(), len(blocks),
                   moved, seconds * 1e3)
+        if kind is PlanKind.LOAD:
+            # The bytes are in the engine's memory: answer now and confirm to the leader beside
+            # it (its only effect is to unpin the slots, which a lost report does at the deadline).
+            task = asyncio.ensure_future(self._reporter(plan.job_id, True, "", moved, seconds))
+            self._reports.add(task)
+            task.add_done_callback(self._reports.discard)
+            return pb.TransferResponse(job_id=plan.job_id, bytes=moved, seconds=seconds)
         accepted = await self._reporter(plan.job_id, True, "", moved, seconds)
         if kind is PlanKind.STORE and not accepted:
             await context.abort(grpc.StatusCode.UNAVAILABLE,
@@ -219,16 +235,19 @@ class WorkerService(rpc.WorkerServicer):
     async def Command(self, request, context):
         await self._guard(context)
         plan = await self._verified(request.plan, context)
-        if plan.kind != PlanKind.DEMOTE:
+        if plan.kind not in (PlanKind.DEMOTE, PlanKind.PROMOTE):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"plan kind {plan.kind} is not a command")
-        batch = Batch(PlanKind.DEMOTE, [], [], [], list(plan.demote_host_slots), list(plan.demote_disk_slots))
+        kind = PlanKind(plan.kind)
+        batch = Batch(kind, [], [], [], list(plan.demote_host_slots), list(plan.demote_disk_slots),
+                      list(plan.promote_host_slots), list(plan.promote_disk_slots))
         try:
             moved, seconds = await self._execute("store", batch, None)
         except Exception as exc:
-            log.exception("demotion job %d failed", plan.job_id)
+            log.exception("%s job %d failed", kind.name.lower(), plan.job_id)
             return pb.CommandResponse(ok=False, error=f"{type(exc).__name__}: {exc}")
-        self.counters["bytes_demoted"] += moved
-        log.debug("job %d demote: %d blocks G2->G3 in %.2f ms", plan.job_id, len(batch.demote_host), seconds * 1e3)
+        self.counters["bytes_demoted" if kind is PlanKind.DEMOTE else "bytes_promoted"] += moved
+        log.debug("job %d %s: %d blocks G2->G3, %d blocks G3->G2 in %.2f ms", plan.job_id, kind.name.lower(),
+                  len(batch.demote_host), len(batch.promote_host), seconds * 1e3)
         return pb.CommandResponse(ok=True)
 
     async def Status(self, request, context):

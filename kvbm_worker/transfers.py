@@ -32,6 +32,8 @@ class Batch:
     engine_blocks: Sequence[int]
     demote_host: Sequence[int]
     demote_disk: Sequence[int]
+    promote_host: Sequence[int] = ()
+    promote_disk: Sequence[int] = ()
 
 
 class BounceBuffer:
@@ -71,15 +73,16 @@ class TransferEngine:
     def run(self, batch: Batch, region: EngineRegion | None) -> int:
         """Execute ``batch``; returns bytes moved. Raises on I/O failure."""
         moved = self._demote(batch.demote_host, batch.demote_disk)
-        if batch.kind is PlanKind.DEMOTE:
+        moved += self._promote(batch.promote_host, batch.promote_disk)
+        if batch.kind in (PlanKind.DEMOTE, PlanKind.PROMOTE):
             return moved
         assert region is not None
         for tier in (Tier.HOST, Tier.DISK):
-            picks = [i for i, t in enumerate(batch.tiers) if t == tier]
-            if not picks:
+            picks = np.flatnonzero(np.asarray(batch.tiers, np.int64) == tier)
+            if not picks.size:
                 continue
-            slots = [batch.slots[i] for i in picks]
-            blocks = [batch.engine_blocks[i] for i in picks]
+            slots = np.asarray(batch.slots, np.int64)[picks].tolist()
+            blocks = np.asarray(batch.engine_blocks, np.int64)[picks].tolist()
             if tier is Tier.HOST:
                 if batch.kind is PlanKind.STORE:
                     cpu.gather(region, blocks, self.host.slots, slots)
@@ -96,6 +99,13 @@ class TransferEngine:
         length = self.disk.geometry.slot_bytes
         addrs = [self.host.address + s * self.host.geometry.slot_bytes for s in host_slots]
         self.disk_io.write(addrs, [self.disk.offset(s) for s in disk_slots], length)
+        return len(host_slots) * self.host.geometry.block_bytes
+
+    def _promote(self, host_slots: Sequence[int], disk_slots: Sequence[int]) -> int:
+        if not host_slots:
+            return 0
+        addrs = [self.host.address + s * self.host.geometry.slot_bytes for s in host_slots]
+        self.disk_io.read(addrs, [self.disk.offset(s) for s in disk_slots], self.disk.geometry.slot_bytes)
         return len(host_slots) * self.host.geometry.block_bytes
 
     def _disk_engine(self, kind: PlanKind, region: EngineRegion, blocks: list[int], slots: list[int]) -> None:

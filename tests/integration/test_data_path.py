@@ -10,6 +10,15 @@ from kvbm_client import Tier, sequence_hashes
 
 
 
+def wait_counter(node, name: str, value: float, timeout: float = 10.0) -> bool:
+    """Loads are confirmed to the leader beside the answer to the client: poll briefly."""
+    import time
+    end = time.monotonic() + timeout
+    while node.status().counters[name] != value and time.monotonic() < end:
+        time.sleep(0.02)
+    return node.status().counters[name] == value
+
+
 def hashes(n: int, seed: int = 0, block: int = 16):
     return sequence_hashes([seed * 1_000_003 + i for i in range(n * block)], block)
 
@@ -32,8 +41,8 @@ def test_offload_overwrite_onboard_into_other_blocks_two_workers(make_node):
     for w, e in engines.items():
         assert np.array_equal(e.array[dst], original[w]), f"worker {w} onboarded wrong bytes"
         assert not e.array[:40].any(), "an onboard wrote outside its destination blocks"
-    counters = node.status().counters
-    assert counters["kvbm_offload_blocks_d2h"] == 12 and counters["kvbm_onboard_blocks_h2d"] == 12
+    assert node.status().counters["kvbm_offload_blocks_d2h"] == 12
+    assert wait_counter(node, "kvbm_onboard_blocks_h2d", 12)
 
 
 def test_prefix_match_and_partial_onboard(make_node):
@@ -91,12 +100,11 @@ def test_g2_pressure_moves_frequent_blocks_to_g3(make_node, filter_disabled):
         assert got_one_off.tiers == (Tier.DISK,) * 4
     else:
         assert got_one_off.num_matched == 0, "a one-off block was written to disk"
+    assert node.status().counters["kvbm_offload_blocks_h2d"] == (8 if filter_disabled else 4)
     eng[:] = 0
     client.wait(client.onboard(frequent, [30, 31, 32, 33]))
     assert np.array_equal(eng[30:34], original[0:4])
-    counters = node.status().counters
-    assert counters["kvbm_offload_blocks_h2d"] == (8 if filter_disabled else 4)
-    assert counters["kvbm_onboard_blocks_d2d"] == 4
+    assert wait_counter(node, "kvbm_onboard_blocks_d2d", 4)
 
 
 def test_disk_only_mode_goes_device_to_disk(make_node):
@@ -111,9 +119,9 @@ def test_disk_only_mode_goes_device_to_disk(make_node):
     engines["0"].array[:] = 0
     client.wait(client.onboard(keys, list(range(10, 16))))
     assert np.array_equal(engines["0"].array[10:16], original)
+    assert wait_counter(node, "kvbm_onboard_blocks_d2d", 6)
     counters = node.status().counters
-    assert counters["kvbm_offload_blocks_d2d"] == 6 and counters["kvbm_onboard_blocks_d2d"] == 6
-    assert counters["kvbm_offload_blocks_d2h"] == 0
+    assert counters["kvbm_offload_blocks_d2d"] == 6 and counters["kvbm_offload_blocks_d2h"] == 0
     files = list(node.disk_dir.glob("kvbm-disk-cache-*"))
     assert len(files) == 1 and files[0].stat().st_size >= 16 * 4 * 2048
 
@@ -159,3 +167,28 @@ def test_debug_log_shows_every_decision(make_node):
     client.wait(client.onboard(keys, [5, 6]))
     log = (node.root / "leader.log").read_text()
     assert "offload decision job=" in log and "onboard decision job=" in log
+
+
+def test_disk_hit_is_promoted_back_to_host(make_node):
+    node = make_node(DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS="4", DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS="32",
+                     DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER="true", DYN_KVBM_HOST_FREE_WATERMARK="0")
+    client, engines = node.ready_client()
+    eng = engines["0"].array
+    keys = hashes(2, 7)
+    client.wait(client.offload(keys, [0, 1]))
+    client.wait(client.offload(hashes(4, 8), [2, 3, 4, 5]))  # pushes both to G3
+    assert client.match(keys, count_hit=False).tiers == (Tier.DISK, Tier.DISK)
+    original = eng[0:2].copy()
+    eng[:] = 0
+    client.wait(client.onboard(keys, [10, 11]))  # a G3 hit: the leader promotes them to G2
+    assert np.array_equal(eng[10:12], original)
+    import time
+    deadline = time.monotonic() + 10
+    while client.match(keys, count_hit=False).tiers != (Tier.HOST, Tier.HOST) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert client.match(keys, count_hit=False).tiers == (Tier.HOST, Tier.HOST)
+    eng[:] = 0
+    client.wait(client.onboard(keys, [20, 21]))  # now from G2, bytes still right
+    assert np.array_equal(eng[20:22], original)
+    assert wait_counter(node, "kvbm_promoted_blocks", 2) and wait_counter(node, "kvbm_onboard_blocks_h2d", 2)
+    assert "promotion decision job=" in (node.root / "leader.log").read_text()

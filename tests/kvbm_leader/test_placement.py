@@ -578,3 +578,52 @@ def test_reset_drops_everything() -> None:
     assert tm.registry.blocks == {}
     verify_plan(store(tm, 1, 2), ExpectedPlan(keys=[1, 2], tiers=[HOST, HOST]))
 
+
+
+# --------------------------------------------------------------------------- promotion
+def _on_disk_only(tm: TierManager, *ids: int) -> None:
+    """Blocks ``ids`` end up with a ready G3 copy and no G2 copy (filter disabled)."""
+    store(tm, *ids)
+    for j in range(100, 100 + tm.capacities[HOST]):
+        store(tm, j)  # G2 pressure demotes every earlier block
+    for i in ids:
+        assert copies(tm, i) == {DISK: True}
+
+
+def test_promotion_copies_a_disk_hit_back_to_host() -> None:
+    tm = make_manager(host=2, disk=8, filter_enabled=False)
+    _on_disk_only(tm, 1, 2)
+    plan = tm.prepare_promotion(next_job(), keys(1, 2))
+    assert plan.kind is PlanKind.PROMOTE and [p.key for p in plan.promotions] == keys(1, 2)
+    assert copies(tm, 1) == {DISK: True, HOST: False}  # G2 copy pending, not matchable from G2
+    assert tm.match(keys(1), count_hit=False).tiers == (DISK,)
+    # While promoting, the G3 copy is being read and cannot be evicted.
+    assert all(tm.registry.get(k).busy_job == plan.job_id for k in keys(1, 2))
+    outcome = tm.complete(plan, True)
+    assert outcome.promoted == 2
+    assert copies(tm, 1) == {DISK: True, HOST: True}
+    assert tm.match(keys(1, 2), count_hit=False).tiers == (HOST, HOST)
+    assert tm.registry.get(key(1)).busy_job is None
+
+
+def test_failed_promotion_rolls_back_the_host_copy() -> None:
+    tm = make_manager(host=2, disk=8, filter_enabled=False)
+    _on_disk_only(tm, 1)
+    plan = tm.prepare_promotion(next_job(), keys(1))
+    assert tm.complete(plan, False).promoted == 0
+    assert copies(tm, 1) == {DISK: True}
+    # The G2 slot it took (by evicting a filler block, demoted in the same plan) is free again;
+    # the rolled-back demotion left that filler nowhere, which is an eviction, not an error.
+    assert tm.registry.pools[HOST].allocator.num_used == 1
+
+
+@pytest.mark.parametrize("why", ["host-copy", "unknown", "no-host-tier"])
+def test_promotion_skips_what_it_cannot_or_need_not_do(why: str) -> None:
+    if why == "no-host-tier":
+        tm = make_manager(disk=4)
+        store(tm, 1)
+    else:
+        tm = make_manager(host=4, disk=4)
+        store(tm, 1)
+    plan = tm.prepare_promotion(next_job(), keys(1 if why != "unknown" else 9))
+    assert plan.is_empty

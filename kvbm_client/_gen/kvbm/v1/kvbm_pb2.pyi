@@ -20,6 +20,7 @@ class PlanKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PLAN_KIND_STORE: _ClassVar[PlanKind]
     PLAN_KIND_LOAD: _ClassVar[PlanKind]
     PLAN_KIND_DEMOTE: _ClassVar[PlanKind]
+    PLAN_KIND_PROMOTE: _ClassVar[PlanKind]
 TIER_UNSPECIFIED: Tier
 TIER_DEVICE: Tier
 TIER_HOST: Tier
@@ -28,6 +29,7 @@ PLAN_KIND_UNSPECIFIED: PlanKind
 PLAN_KIND_STORE: PlanKind
 PLAN_KIND_LOAD: PlanKind
 PLAN_KIND_DEMOTE: PlanKind
+PLAN_KIND_PROMOTE: PlanKind
 
 class KvLayout(_message.Message):
     __slots__ = ("num_layers", "page_bytes", "dtype", "num_engine_blocks", "rank")
@@ -68,13 +70,15 @@ class LayerPlacement(_message.Message):
     def __init__(self, buffer_index: _Optional[int] = ..., offset_bytes: _Optional[int] = ..., block_stride_bytes: _Optional[int] = ...) -> None: ...
 
 class TransferPlan(_message.Message):
-    __slots__ = ("job_id", "kind", "tiers", "slots", "demote_host_slots", "demote_disk_slots", "deadline", "epoch", "leader_id")
+    __slots__ = ("job_id", "kind", "tiers", "slots", "demote_host_slots", "demote_disk_slots", "promote_host_slots", "promote_disk_slots", "deadline", "epoch", "leader_id")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     DEMOTE_HOST_SLOTS_FIELD_NUMBER: _ClassVar[int]
     DEMOTE_DISK_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    PROMOTE_HOST_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    PROMOTE_DISK_SLOTS_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LEADER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -84,10 +88,12 @@ class TransferPlan(_message.Message):
     slots: _containers.RepeatedScalarFieldContainer[int]
     demote_host_slots: _containers.RepeatedScalarFieldContainer[int]
     demote_disk_slots: _containers.RepeatedScalarFieldContainer[int]
+    promote_host_slots: _containers.RepeatedScalarFieldContainer[int]
+    promote_disk_slots: _containers.RepeatedScalarFieldContainer[int]
     deadline: float
     epoch: int
     leader_id: str
-    def __init__(self, job_id: _Optional[int] = ..., kind: _Optional[_Union[PlanKind, str]] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., slots: _Optional[_Iterable[int]] = ..., demote_host_slots: _Optional[_Iterable[int]] = ..., demote_disk_slots: _Optional[_Iterable[int]] = ..., deadline: _Optional[float] = ..., epoch: _Optional[int] = ..., leader_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, job_id: _Optional[int] = ..., kind: _Optional[_Union[PlanKind, str]] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., slots: _Optional[_Iterable[int]] = ..., demote_host_slots: _Optional[_Iterable[int]] = ..., demote_disk_slots: _Optional[_Iterable[int]] = ..., promote_host_slots: _Optional[_Iterable[int]] = ..., promote_disk_slots: _Optional[_Iterable[int]] = ..., deadline: _Optional[float] = ..., epoch: _Optional[int] = ..., leader_id: _Optional[str] = ...) -> None: ...
 
 class SignedPlan(_message.Message):
     __slots__ = ("plan", "signature")
