@@ -37,6 +37,7 @@ TOKENS, LAYERS, HEADS, DIM = 16, 36, 8, 128
 BLOCK_BYTES = LAYERS * 2 * TOKENS * HEADS * DIM * 2
 G1_BLOCKS = 2600
 SIZES = (1, 16, 128, 256, 512, 1250)
+LAYOUTS = ["cross", "layers"]
 OUT: list[dict] = []
 
 
@@ -277,14 +278,26 @@ def bench_daemon(node: Node, kv, layout: str, refs: dict) -> dict:
         src, dst = perm[:n].tolist(), perm[n:2 * n].tolist()
         keys_list = []
 
+        parts = {"prep_store": [], "prep_load": [], "worker_store": [], "worker_load": []}
+
         def offload():
             keys = fresh(n)
-            r = c.wait(c.offload(keys, src))
+            t = time.perf_counter()
+            h = c.offload(keys, src)
+            parts["prep_store"].append(time.perf_counter() - t)
+            r = c.wait(h)
+            parts["worker_store"].append(r.seconds)
             assert r.num_blocks == n, r
             keys_list.append(keys)
         t_off = median_time(offload, reps)
         keys = keys_list[-1]
-        t_on = median_time(lambda: c.wait(c.onboard(keys, dst)), reps)
+
+        def onboard():
+            t = time.perf_counter()
+            h = c.onboard(keys, dst)
+            parts["prep_load"].append(time.perf_counter() - t)
+            parts["worker_load"].append(c.wait(h).seconds)
+        t_on = median_time(onboard, reps)
         ok = all(torch.equal(block_ref(kv, layout, d), block_ref(kv, layout, s))
                  for d, s in list(zip(dst, src))[::max(1, n // 16)])
         ref_d2h, ref_h2d = refs[n]
@@ -293,7 +306,7 @@ def bench_daemon(node: Node, kv, layout: str, refs: dict) -> dict:
              offload_ms=round(t_off * 1e3, 3), onboard_ms=round(t_on * 1e3, 3),
              offload_GBps=round(n * BLOCK_BYTES / t_off / 1e9, 2), onboard_GBps=round(n * BLOCK_BYTES / t_on / 1e9, 2),
              offload_vs_memcpy=round(ref_d2h / t_off, 3), onboard_vs_memcpy=round(ref_h2d / t_on, 3),
-             bytes_equal=ok)
+             bytes_equal=ok, **{f"{k}_ms": round(statistics.median(v) * 1e3, 3) for k, v in parts.items()})
     return onboard_s
 
 
@@ -408,7 +421,12 @@ def main() -> int:
     ap.add_argument("--out", default="gpu_transfer.jsonl")
     ap.add_argument("--matmul-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--skip", default="", help="comma list of sections to skip: mech,daemon,interf,ttft,disk")
+    ap.add_argument("--quick", action="store_true",
+                    help="only the daemon section, cross-layer layout (about a minute)")
     args = ap.parse_args()
+    if args.quick:
+        args.skip = "mech,interf,ttft,disk"
+        LAYOUTS[:] = ["cross"]
     if args.matmul_child:
         matmul_child()
         return 0
@@ -423,7 +441,7 @@ def main() -> int:
         emit(what="matmul_alone", tflops=round(matmul.measure(2.0), 1))
         if "mech" not in skip:
             bench_mechanisms(matmul)
-        kvs = {layout: make_kv(layout) for layout in ("cross", "layers")}
+        kvs = {layout: make_kv(layout) for layout in LAYOUTS}
         dev_flat = kvs["cross"][0].view(-1).view(torch.uint8)
         host_flat = torch.empty(1250 * BLOCK_BYTES, dtype=torch.uint8, pin_memory=True)
         refs = {n: memcpy_reference(n * BLOCK_BYTES, dev_flat, host_flat) for n in SIZES}
@@ -436,7 +454,7 @@ def main() -> int:
             (root / "g2").mkdir()
             node = Node(root / "g2", DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS=str(G1_BLOCKS))
             try:
-                for layout in ("cross", "layers"):
+                for layout in LAYOUTS:
                     secs = register(node, kvs[layout], layout)
                     emit(what="register_and_ready", layout=layout, seconds=round(secs, 2),
                          G2_GB=round(G1_BLOCKS * BLOCK_BYTES / 1e9, 2))

@@ -363,11 +363,11 @@ class CudaTransferEngine(TransferEngine):
         moved = self._demote(batch.demote_host, batch.demote_disk)
         store = batch.kind is PlanKind.STORE
         for tier in (Tier.HOST, Tier.DISK):
-            picks = [i for i, t in enumerate(batch.tiers) if t == tier]
-            if not picks:
+            picks = np.flatnonzero(np.asarray(batch.tiers, np.int64) == tier)
+            if not picks.size:
                 continue
-            slots = np.array([batch.slots[i] for i in picks], np.int64)
-            blocks = np.array([batch.engine_blocks[i] for i in picks], np.int64)
+            slots = np.asarray(batch.slots, np.int64)[picks]
+            blocks = np.asarray(batch.engine_blocks, np.int64)[picks]
             if tier is Tier.HOST:
                 addrs = self.host.address + slots * self.host.geometry.slot_bytes
                 self.copier.copy("d2h" if store else "h2d", region, blocks, addrs)

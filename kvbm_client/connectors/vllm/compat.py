@@ -3,7 +3,11 @@
 Differences that matter here: 0.26 has no ``get_mem_pool_context`` (GPU engines export their
 KV cache through CUDA IPC instead) and calls ``get_finished`` directly; 0.32 calls
 ``start_load_kv`` after the forward for asynchronous loads. The connector implements the
-union of both hook sets.
+union of both hook sets. On the GPU, 0.26 asks ``prefer_cross_layer_blocks`` and then hands
+one cross-layer buffer ``[num_blocks, num_layers, ...]`` to ``register_cross_layers_kv_cache``
+(each block one 2+ MiB run); otherwise it calls ``register_kv_caches`` with one tensor per layer.
+0.26 runs with asynchronous scheduling on the GPU: ``wait_for_save`` returns before the
+forward has run, so stores wait on a CUDA event first (``worker.py``).
 """
 from __future__ import annotations
 
@@ -40,6 +44,46 @@ def worker_rank(vllm_config) -> int:
         return int(get_tensor_model_parallel_rank())
     except Exception:
         return int(getattr(vllm_config.parallel_config, "rank", 0) or 0)
+
+
+def block_page(shape, strides) -> int | None:
+    """Elements of one block's page when dim 0 indexes blocks and each block's slice is one
+    dense range (any order of the other dims: vLLM 0.26 FlashAttention per-layer views are
+    logical (B, H, N, 2D) over physical (B, N, H, 2D)); None otherwise. Pure arithmetic."""
+    if len(shape) < 2:
+        return None
+    dims = sorted(((int(st), int(sz)) for sz, st in zip(shape[1:], strides[1:]) if sz > 1))
+    expected = 1
+    for st, sz in dims:
+        if st != expected:
+            return None
+        expected *= sz
+    if int(shape[0]) > 1 and int(strides[0]) < expected:
+        return None
+    return expected
+
+
+def block_pages(tensor):
+    """A ``[num_blocks, page]`` view of a KV tensor whose blocks are dense (see :func:`block_page`)."""
+    page = block_page(tuple(tensor.shape), tuple(tensor.stride()))
+    if page is None:
+        raise ValueError(f"KV tensor {tuple(tensor.shape)} strides {tuple(tensor.stride())}: a block is "
+                         "not one dense range")
+    return tensor.as_strided((tensor.shape[0], page), (tensor.stride(0), 1), tensor.storage_offset())
+
+
+def gpu_region_spec(tensors):
+    """The CUDA IPC export of a GPU engine's KV cache: one tensor (vLLM 0.26 cross-layer buffer,
+    ``register_cross_layers_kv_cache``) or one per layer (``register_kv_caches``); layers that
+    share a tensor are exported once."""
+    from ...cuda_export import export_kv_cache
+    unique, seen = [], set()
+    for t in tensors:
+        key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+        if key not in seen:
+            seen.add(key)
+            unique.append(block_pages(t))
+    return export_kv_cache(unique, block_dim=0, page_dims=1)
 
 
 def is_cuda(vllm_config) -> bool:

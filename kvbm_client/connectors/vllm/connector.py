@@ -47,6 +47,11 @@ class KvbmConnector(KVConnectorBase_V1):
     def requires_kv_delivery(self) -> bool:  # a best-effort cache: never hold requests for it
         return False
 
+    @property
+    def prefer_cross_layer_blocks(self) -> bool:
+        """vLLM 0.26 (GPU): ask for one cross-layer buffer, so a block is one contiguous run."""
+        return compat.is_cuda(self._vllm_config)
+
     # ==== Worker-side methods ====
     def get_mem_pool_context(self):
         """vLLM >= 0.32: allocate the (CPU) KV cache in shared memory the daemon can map."""
@@ -58,17 +63,32 @@ class KvbmConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         from .worker import region_from_kv_caches
+        if compat.is_cuda(self._vllm_config):
+            self._register_gpu(list(kv_caches.values()))
+            return
         shm = self._shm
         spec = region_from_kv_caches(kv_caches, shm.path if shm and shm.tensor is not None else None,
                                      shm.tensor if shm else None)
         self._worker.set_region(spec)
 
+    def register_cross_layers_kv_cache(self, kv_cache, attn_backend=None) -> None:
+        """vLLM 0.26 with ``prefer_cross_layer_blocks``: one buffer for every layer."""
+        self._register_gpu([kv_cache])
+
+    def _register_gpu(self, tensors: list) -> None:
+        try:
+            spec = compat.gpu_region_spec(tensors)
+        except ValueError as exc:
+            log.warning("kvbm: cannot export the engine's KV cache (%s); serving without kvbm", exc)
+            spec = None
+        self._worker.set_region(spec, cuda=True)
+
     def handle_preemptions(self, kv_connector_metadata=None, *args, **kwargs) -> None:
-        self._worker.fence_stores()
+        self._worker.fence_if_needed(kv_connector_metadata)
 
     def bind_connector_metadata(self, connector_metadata) -> None:
         if self._worker is not None:
-            self._worker.fence_stores()
+            self._worker.fence_if_needed(connector_metadata)
         super().bind_connector_metadata(connector_metadata)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:

@@ -37,3 +37,6 @@ class KvbmConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc,valid-typ
     #: finished requests whose blocks stay allocated until their stores are done
     #: (the worker role reports them in ``finished_sending``).
     delayed_frees: list[str] = field(default_factory=list)
+    #: a request with stores in flight was preempted (its blocks are free again): the worker
+    #: waits for every store in flight before this step's forward can rewrite them.
+    fence: bool = False

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,7 @@ from ...errors import KvbmError, KvbmUnavailableError
 from ...ids import BlockHash
 from .metadata import KvbmConnectorMetadata, LoadSpec, StoreSpec
 from .settings import Backoff, ConnectorSettings
+from .worker import TRACE, trace
 
 log = logging.getLogger("kvbm.connector")
 
@@ -114,7 +116,12 @@ class KvbmConnectorScheduler:
         last = min(len(keys), (request.num_tokens - 1) // self.block_size)
         if first >= last or state.load_sent:
             return 0, False
+        t0 = time.perf_counter()
         handle = self._call("prepare_load", keys[first:last], count_hit=True, tokens_per_block=self.block_size)
+        if TRACE:
+            trace("prepare_load", req=request.request_id, asked=last - first,
+                  planned=handle.num_blocks if handle is not None else 0,
+                  ms=round((time.perf_counter() - t0) * 1e3, 2))
         if handle is None or handle.is_empty:
             return 0, False
         state.load, state.load_first_block = handle, first
@@ -145,6 +152,8 @@ class KvbmConnectorScheduler:
     def build_connector_meta(self, scheduler_output) -> KvbmConnectorMetadata:
         meta = KvbmConnectorMetadata(loads=self._loads, delayed_frees=self._delayed)
         self._loads, self._delayed = [], []
+        preempted = getattr(scheduler_output, "preempted_req_ids", None) or ()
+        meta.fence = any(self._reqs[r].has_stores for r in preempted if r in self._reqs)
         self._track_blocks(scheduler_output)
         keys: list[BlockHash] = []
         blocks: list[int] = []

@@ -16,6 +16,7 @@ class ConnectorSettings:
     namespace: str
     timeout_s: float
     retry_s: float
+    ready_timeout_s: float = 120.0
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any], default_namespace: str) -> "ConnectorSettings":
@@ -24,7 +25,8 @@ class ConnectorSettings:
         template = extra.get("worker_address") or cfg.worker_address("{id}")
         return cls(leader_address=cfg.resolved_leader_address, worker_address_template=template,
                    namespace=str(extra.get("namespace") or default_namespace),
-                   timeout_s=float(extra.get("timeout_s", 2.0)), retry_s=float(extra.get("retry_s", 2.0)))
+                   timeout_s=float(extra.get("timeout_s", 2.0)), retry_s=float(extra.get("retry_s", 2.0)),
+                   ready_timeout_s=float(extra.get("ready_timeout_s", 120.0)))
 
     def worker_address(self, worker_id: str) -> str:
         return self.worker_address_template.replace("{id}", worker_id)

@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
@@ -25,6 +26,14 @@ from .metadata import KvbmConnectorMetadata
 from .settings import Backoff, ConnectorSettings
 
 log = logging.getLogger("kvbm.connector")
+TRACE = os.environ.get("KVBM_CONNECTOR_TRACE", "")
+
+
+def trace(what: str, **fields) -> None:
+    """One JSON line per event to ``$KVBM_CONNECTOR_TRACE`` (benchmarks: where the time goes)."""
+    import json
+    with open(TRACE, "a") as f:
+        f.write(json.dumps({"what": what, "pid": os.getpid(), "t": time.time(), **fields}) + "\n")
 
 
 @dataclass
@@ -82,18 +91,40 @@ class KvbmConnectorWorker:
         self._lock = threading.Lock()  # region and channel, shared with the watchdog
         self._stop = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="kvbm-region-watchdog", daemon=True)
+        self.cuda = False
+        self._store_thread: ThreadPoolExecutor | None = None
 
     # ------------------------------------------------------------------ region
-    def set_region(self, spec: RegionSpec | None) -> None:
+    def set_region(self, spec, cuda: bool = False) -> None:
+        """``spec``: a :class:`RegionSpec` (CPU, shm) or a ``CudaRegionSpec`` (GPU, CUDA IPC)."""
         self.spec = spec
+        self.cuda = cuda
         if spec is None:
             log.warning("kvbm: the engine's KV cache is not shareable with the worker daemon; "
                         "serving without kvbm")
             return
+        if cuda:
+            self._store_thread = ThreadPoolExecutor(1, thread_name_prefix="kvbm-store")
         with self._lock:
-            self._ensure_region()
+            if self._ensure_region():
+                self._wait_pools()
         if not self._watchdog.is_alive():
             self._watchdog.start()
+
+    def _wait_pools(self) -> None:
+        """The daemon allocates (and on a GPU pins) its pools once it has our layout: wait for
+        that (bounded by ``ready_timeout_s``) so the first requests' blocks are not skipped."""
+        end = time.monotonic() + self.settings.ready_timeout_s
+        while time.monotonic() < end:
+            try:
+                status = self._stub.Status(pb.WorkerStatusRequest(), timeout=self.settings.timeout_s)
+            except grpc.RpcError:
+                return
+            if status.info.state == "ready":
+                return
+            time.sleep(0.1)
+        log.warning("kvbm worker %s: pools not ready after %gs; starting anyway", self.worker_id,
+                    self.settings.ready_timeout_s)
 
     def _ensure_region(self) -> bool:
         if self.region_id is not None:
@@ -141,13 +172,37 @@ class KvbmConnectorWorker:
             self._loads[spec.req_id] = InFlight(future, [spec.req_id], spec.engine_blocks, time.monotonic())
 
     def start_stores(self, meta: KvbmConnectorMetadata) -> None:
+        if not meta.stores:
+            return
+        event = None
+        if self.cuda:
+            # Asynchronous scheduling (vLLM 0.26 on a GPU): this step's forward is only enqueued.
+            # The daemon may read its blocks once the compute stream passed this event; a helper
+            # thread waits for it and sends the plan, so the engine's thread never blocks here.
+            import torch
+            event = torch.cuda.Event()
+            event.record()
         for spec in meta.stores:
-            future = self._submit(spec.plan, spec.signature, spec.engine_blocks)
+            if event is not None:
+                future = self._store_thread.submit(self._store_after, event, spec)
+            else:
+                future = self._submit(spec.plan, spec.signature, spec.engine_blocks)
             if future is None:
                 continue
             self._stores.append(InFlight(future, spec.req_ids, spec.engine_blocks, time.monotonic()))
             for req_id in spec.req_ids:
                 self._pending_store_reqs[req_id] = self._pending_store_reqs.get(req_id, 0) + 1
+
+    def _store_after(self, event, spec):
+        event.synchronize()
+        future = self._submit(spec.plan, spec.signature, spec.engine_blocks)
+        return future.result() if future is not None else None
+
+    def fence_if_needed(self, meta) -> None:
+        """Blocks of stores in flight stay allocated (running requests own them; finished ones
+        are freed only after ``finished_sending``) except after a preemption: fence then."""
+        if isinstance(meta, KvbmConnectorMetadata) and meta.fence:
+            self.fence_stores()
 
     def fence_stores(self) -> None:
         """Wait for every store in flight: its blocks may be handed to other requests now."""
@@ -187,6 +242,9 @@ class KvbmConnectorWorker:
                 self._load_errors.update(item.engine_blocks)
             recving.add(req_id)
             del self._loads[req_id]
+            if TRACE and item.engine_blocks:
+                trace("load", req=req_id, blocks=len(item.engine_blocks),
+                      submit_to_done_ms=round((time.monotonic() - item.deadline) * 1e3, 2))
         if meta is not None:
             self._awaiting_send.update(meta.delayed_frees)
         # Settle stores that are already done so their requests' blocks can be freed.
@@ -230,6 +288,8 @@ class KvbmConnectorWorker:
     def shutdown(self) -> None:
         self._stop.set()
         self.fence_stores()
+        if self._store_thread is not None:
+            self._store_thread.shutdown(wait=True)
         if self.region_id is not None:
             try:
                 self._stub.UnregisterRegion(pb.UnregisterRegionRequest(region_id=self.region_id), timeout=2)

@@ -1,0 +1,162 @@
+"""Side-by-side TTFT of KV-offloading systems on the real vLLM engine (GPU), one run.
+
+Each system runs in its own process on the same workload: N users with a shared system prompt and a
+long private context, several rounds; G1 (the engine's KV cache) holds only a fraction of the working
+set, so between a user's turns its blocks are evicted from the GPU. TTFT of a request ~ latency of
+generate(max_tokens=1). Cold round 0 is reported apart from the warm rounds.
+
+  python3 vllm_peers.py --systems baseline,native,lmcache,dynamo,ours --out results.jsonl
+
+(Copied from ../shared/tools/vllm_peers.py; additions: --max-tokens and the output token ids in
+each row, for the greedy-equality check; KVBM_CONNECTOR_TRACE is passed through.)
+
+"ours": start the kvbm service first (it must outlive the engine processes) and set OURS_KTC to the
+kv-transfer-config JSON that the README documents.
+"""
+import argparse, json, os, statistics, subprocess, sys, time
+
+QWEN3_4B = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 2560,
+    "intermediate_size": 9728, "num_hidden_layers": 36, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6, "rope_theta": 1000000, "hidden_act": "silu", "torch_dtype": "bfloat16",
+    "tie_word_embeddings": True, "attention_bias": False, "bos_token_id": 151643, "eos_token_id": 151645,
+}
+
+
+def workload(users, rounds, sys_len, ctx_len, turn_len, seed=11):
+    import random
+    rnd = random.Random(seed)
+    tok = lambda n: [rnd.randrange(100, 150000) for _ in range(n)]
+    system = tok(sys_len)
+    hist = {u: system + tok(ctx_len) for u in range(users)}
+    out = []
+    for r in range(rounds):
+        for u in range(users):
+            hist[u] = hist[u] + tok(turn_len)
+            out.append((r, u, list(hist[u])))
+            hist[u] = hist[u] + tok(32)
+    return out
+
+
+def system_kwargs(name, g2_gb):
+    """Engine kwargs and env for one system."""
+    env = {}
+    kw = {}
+    if name == "recompute":
+        kw["enable_prefix_caching"] = False
+    elif name == "baseline":
+        pass
+    elif name == "native":
+        kw["kv_transfer_config"] = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                                    "kv_connector_extra_config": {"cpu_bytes_to_use": int(g2_gb * (1 << 30)),
+                                                                  "num_cpu_blocks": None}}
+        kw["_native_size"] = g2_gb
+    elif name == "lmcache":
+        kw["kv_transfer_config"] = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
+        env.update(LMCACHE_LOCAL_CPU="True", LMCACHE_MAX_LOCAL_CPU_SIZE=str(g2_gb), LMCACHE_CHUNK_SIZE="256",
+                   LMCACHE_USE_EXPERIMENTAL="True")
+    elif name == "dynamo":
+        kw["kv_transfer_config"] = {"kv_connector": "DynamoConnector", "kv_role": "kv_both",
+                                    "kv_connector_module_path": "kvbm.vllm_integration.connector"}
+        env.update(DYN_KVBM_CPU_CACHE_GB=str(g2_gb), DYN_KVBM_METRICS="false")
+    elif name == "ours":
+        kw["kv_transfer_config"] = json.loads(os.environ["OURS_KTC"])
+        env.update(DYN_KVBM_CPU_CACHE_GB=str(g2_gb))
+    else:
+        raise SystemExit(f"unknown system {name}")
+    return kw, env
+
+
+def engine(args):
+    from vllm import LLM, SamplingParams
+    kw, _ = system_kwargs(args.system, args.g2_gb)
+    native = kw.pop("_native_size", None)
+    base = dict(model=args.model, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
+                max_model_len=args.max_len, enforce_eager=True, seed=0, max_num_seqs=8,
+                kv_cache_memory_bytes=int(args.g1_gb * (1 << 30)))
+    t0 = time.time()
+    llm = None
+    if native is not None:  # prefer the documented engine flags, fall back to the connector config
+        try:
+            llm = LLM(**base, kv_offloading_size=native, kv_offloading_backend="native")
+            how = "kv_offloading_size"
+        except TypeError as e:
+            print(json.dumps({"note": f"kv_offloading_size unsupported: {e}"}), flush=True)
+    if llm is None:
+        llm = LLM(**base, **kw)
+        how = "kv_transfer_config" if "kv_transfer_config" in kw else "plain"
+    init_s = time.time() - t0
+    sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, detokenize=False, ignore_eos=True)
+    # warm the kernels on a throwaway prompt
+    llm.generate([{"prompt_token_ids": list(range(1000, 1600))}], sp, use_tqdm=False)
+    rows = []
+    for r, u, prompt in workload(args.users, args.rounds, args.sys_len, args.ctx_len, args.turn_len):
+        t = time.perf_counter()
+        o = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
+        rows.append({"round": r, "user": u, "tokens": len(prompt), "ttft_s": time.perf_counter() - t,
+                     "cached": o.num_cached_tokens or 0, "output": list(o.outputs[0].token_ids)})
+    warm = [x["ttft_s"] for x in rows if x["round"] > 0]
+    cold = [x["ttft_s"] for x in rows if x["round"] == 0]
+    q = lambda v, p: sorted(v)[min(len(v) - 1, int(p * len(v)))]
+    print(json.dumps({"system": args.system, "how": how, "init_s": round(init_s, 1),
+                      "warm_ttft_p50": round(statistics.median(warm), 4), "warm_ttft_p90": round(q(warm, 0.9), 4),
+                      "warm_ttft_mean": round(statistics.mean(warm), 4),
+                      "cold_ttft_mean": round(statistics.mean(cold), 4),
+                      "warm_cached_frac": round(sum(x["cached"] for x in rows if x["round"] > 0) /
+                                                max(1, sum(x["tokens"] for x in rows if x["round"] > 0)), 3),
+                      "rows": rows}), flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="/tmp/qwen3-4b-shape")
+    ap.add_argument("--systems", default="recompute,baseline,native,lmcache,dynamo")
+    ap.add_argument("--system")
+    ap.add_argument("--engine", action="store_true")
+    ap.add_argument("--users", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--sys-len", type=int, default=1024)
+    ap.add_argument("--ctx-len", type=int, default=6144)
+    ap.add_argument("--turn-len", type=int, default=256)
+    ap.add_argument("--max-len", type=int, default=16384)
+    ap.add_argument("--g1-gb", type=float, default=3.0)
+    ap.add_argument("--g2-gb", type=float, default=24.0)
+    ap.add_argument("--timeout", type=int, default=300)
+    ap.add_argument("--max-tokens", type=int, default=1)
+    ap.add_argument("--out", default="")
+    ap.add_argument("--tiny", action="store_true", help="a tiny model, for a smoke test on a CPU build")
+    args = ap.parse_args()
+    if args.engine:
+        return engine(args)
+    os.makedirs(args.model, exist_ok=True)
+    cfg = dict(QWEN3_4B)
+    if args.tiny:
+        cfg.update(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=64, vocab_size=152000)
+    with open(os.path.join(args.model, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    for name in args.systems.split(","):
+        _, env = system_kwargs(name, args.g2_gb)
+        cmd = [sys.executable, __file__, "--engine", "--system", name, "--model", args.model,
+               "--users", str(args.users), "--rounds", str(args.rounds), "--sys-len", str(args.sys_len),
+               "--ctx-len", str(args.ctx_len), "--turn-len", str(args.turn_len), "--max-len", str(args.max_len),
+               "--g1-gb", str(args.g1_gb), "--g2-gb", str(args.g2_gb), "--max-tokens", str(args.max_tokens)]
+        t = time.time()
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
+                               env={**os.environ, **env})
+            lines = [l for l in p.stdout.splitlines() if l.startswith('{"system"')]
+            res = json.loads(lines[-1]) if lines else {"system": name, "error": (p.stderr or p.stdout)[-1500:]}
+        except subprocess.TimeoutExpired as e:
+            res = {"system": name, "error": f"timeout after {args.timeout}s: " + str((e.stderr or b'')[-800:])}
+        res["wall_s"] = round(time.time() - t, 1)
+        summary = {k: v for k, v in res.items() if k != "rows"}
+        print(json.dumps(summary), flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(res) + "\n")
+
+
+if __name__ == "__main__":
+    main()

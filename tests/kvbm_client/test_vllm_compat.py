@@ -1,0 +1,90 @@
+"""The vLLM version shims of the connector (``kvbm_client/connectors/vllm/compat.py``), without
+vLLM: the module is loaded from its file, so the package ``__init__`` (which imports vLLM) is
+not run."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+PATH = Path(__file__).resolve().parents[2] / "kvbm_client/connectors/vllm/compat.py"
+
+
+@pytest.fixture(scope="module")
+def compat():
+    spec = importlib.util.spec_from_file_location("kvbm_client.connectors.vllm.compat", PATH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(spec.name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def strides(shape):
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return tuple(reversed(out))
+
+
+@pytest.mark.parametrize("text,expected", [("0.26.0", (0, 26)), ("0.32.0+cpu", (0, 32)), ("0.32.1rc1", (0, 32)),
+                                           ("garbage", (0, 0))])
+def test_parse_version(compat, text, expected):
+    assert compat.parse_version(text) == expected
+
+
+@pytest.mark.parametrize("version,ok", [("0.26.0", True), ("0.32.0+cpu", True), ("0.29.3", True),
+                                        ("0.25.1", False), ("0.33.0", False)])
+def test_supported_range(compat, version, ok):
+    assert compat.check_version(version) is ok
+
+
+def test_is_cuda(compat):
+    assert compat.is_cuda(SimpleNamespace(device_config=SimpleNamespace(device="cuda:0")))
+    assert not compat.is_cuda(SimpleNamespace(device_config=SimpleNamespace(device="cpu")))
+    assert not compat.is_cuda(SimpleNamespace())
+
+
+def test_block_page_contiguous_layouts(compat):
+    # 0.32 CPU per-layer view [B, H, N, 2D]; 0.26 cross-layer buffer [B, L, N, H, 2D]
+    assert compat.block_page((1024, 2, 32, 128), strides((1024, 2, 32, 128))) == 2 * 32 * 128
+    shape = (2600, 36, 16, 8, 256)
+    assert compat.block_page(shape, strides(shape)) == 36 * 16 * 8 * 256
+
+
+def test_block_page_permuted_flash_attention_view(compat):
+    # vLLM 0.26 FlashAttention: logical (B, H, N, 2D) over physical NHD (B, N, H, 2D)
+    B, N, H, D2 = 100, 16, 8, 256
+    logical = (B, H, N, D2)
+    physical_strides = (N * H * D2, D2, H * D2, 1)
+    assert compat.block_page(logical, physical_strides) == N * H * D2
+
+
+def test_block_page_per_layer_view_of_a_cross_layer_buffer(compat):
+    # one layer's view of [B, L, page]: block stride L * page > page, still one dense page
+    B, L, N, H, D2 = 10, 4, 16, 2, 128
+    assert compat.block_page((B, N, H, D2), (L * N * H * D2, H * D2, D2, 1)) == N * H * D2
+
+
+@pytest.mark.parametrize("shape,st", [
+    ((2, 100, 16, 8, 128), strides((2, 100, 16, 8, 128))[:1] + (16 * 8 * 128 * 2,) + strides((16, 8, 128))),
+    ((100, 16, 8, 128), (16 * 8 * 128, 8 * 128, 128, 2)),  # gaps inside a block
+    ((100, 16, 8, 128), (1000, 8 * 128, 128, 1)),  # blocks overlap
+    ((100,), (1,)),
+])
+def test_block_page_refuses_scattered_blocks(compat, shape, st):
+    assert compat.block_page(shape, st) is None
+
+
+def test_block_pages_view(compat):
+    torch = pytest.importorskip("torch")
+    raw = torch.arange(4 * 3 * 2 * 5, dtype=torch.int32).view(4, 3, 2, 5)  # physical (B, N, H, D)
+    logical = raw.permute(0, 2, 1, 3)  # (B, H, N, D), as vLLM 0.26 hands it over
+    pages = compat.block_pages(logical)
+    assert pages.shape == (4, 30)
+    assert torch.equal(pages[2], raw[2].reshape(-1))
+    with pytest.raises(ValueError):
+        compat.block_pages(raw.permute(1, 0, 2, 3))
