@@ -46,15 +46,18 @@ class Child:
 class Supervisor:
     """Starts the node's daemons and restarts any that dies (backoff up to 5 s)."""
 
-    def __init__(self, config: KvbmConfig, num_workers: int, extra_env: dict[str, str], debug: bool) -> None:
+    def __init__(self, config: KvbmConfig, num_workers: int, extra_env: dict[str, str], debug: bool,
+                 gpus: list[int] | None = None) -> None:
         self.config = config
         self.env = {**os.environ, **config_to_env(config), **extra_env}
         if debug:
             self.env["DYN_LOG"] = "debug"
         py = sys.executable
-        self.leader = Child("leader", [py, "-m", "kvbm_leader", "--num-workers", str(num_workers)])
-        self.workers = [Child(f"worker {i}", [py, "-m", "kvbm_worker", "--worker-id", str(i), "--cpu"])
-                        for i in range(num_workers)]
+        # One worker per GPU (worker i serves device gpus[i], rank i), or CPU workers.
+        media = [["--gpu", str(d)] for d in gpus] if gpus else [["--cpu"]] * num_workers
+        self.leader = Child("leader", [py, "-m", "kvbm_leader", "--num-workers", str(len(media))])
+        self.workers = [Child(f"worker {i}", [py, "-m", "kvbm_worker", "--worker-id", str(i), *medium])
+                        for i, medium in enumerate(media)]
         self.stopping = False
 
     @property
@@ -120,7 +123,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except KvbmConfigError as exc:
         print(f"kvbm serve: {exc}", file=sys.stderr)
         return 2
-    sup = Supervisor(config, args.workers, {}, args.debug)
+    try:
+        gpus = [int(d) for d in args.gpus.split(",")] if args.gpus else None
+    except ValueError:
+        print(f"kvbm serve: --gpus wants comma-separated device ordinals, got {args.gpus!r}", file=sys.stderr)
+        return 2
+    sup = Supervisor(config, args.workers, {}, args.debug, gpus)
+    expected_workers = len(sup.workers)
     stop = {"signal": None}
 
     def on_signal(signum, _frame) -> None:
@@ -140,7 +149,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             if not announced:
                 try:
                     status = _status(address, 1.0)
-                    if len(status.workers) == args.workers:
+                    if len(status.workers) == expected_workers:
                         announced = True
                         metrics = (f"http://{config.metrics_addr}:{config.metrics_port}/metrics"
                                    if config.metrics else "off (DYN_KVBM_METRICS=true to enable)")
@@ -207,9 +216,12 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Start the leader and N workers of this node as child processes "
                                        "(restarted if they crash), print where they listen, stop cleanly on "
                                        "SIGINT/SIGTERM. Needs neither etcd nor NATS.")
-    serve.add_argument("--workers", type=int, default=1, help="worker daemons to start (one per GPU) [default 1]")
-    serve.add_argument("--cpu", action="store_true", default=True,
-                       help="CPU engines (KV cache in shared memory); the only mode of this build")
+    serve.add_argument("--workers", type=int, default=1,
+                       help="CPU worker daemons to start, for CPU engines whose KV cache is in shared "
+                            "memory [default 1]")
+    serve.add_argument("--gpus", default=None, metavar="0,1,...",
+                       help="CUDA devices, one worker daemon each (rank = position in the list); "
+                            "replaces --workers")
     serve.add_argument("--debug", action="store_true", help="DYN_LOG=debug for the daemons")
     add_config_arguments(serve)
     serve.set_defaults(func=cmd_serve)
