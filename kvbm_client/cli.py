@@ -7,7 +7,6 @@ package never imports them.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import ctypes
 import json
 import os

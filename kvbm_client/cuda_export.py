@@ -18,13 +18,12 @@ and synchronizes its stream before asking for an offload.
 from __future__ import annotations
 
 import itertools
-import os
 import uuid
 from dataclasses import dataclass, field
 from typing import Sequence
 
 from .contract import pb
-from .regions import LayerSpec
+from .regions import LayerSpec, region_request
 
 
 @dataclass(frozen=True)
@@ -47,13 +46,9 @@ class CudaRegionSpec:
     engine_id: str = field(default_factory=lambda: f"engine-{uuid.uuid4().hex[:8]}")
 
     def to_request(self, pid: int | None = None) -> "pb.RegisterRegionRequest":
-        return pb.RegisterRegionRequest(
-            engine_id=self.engine_id, pid=pid if pid is not None else os.getpid(),
-            buffers=[pb.RegionBuffer(cuda_ipc_handle=b.ipc_handle, size_bytes=b.size_bytes, device=b.device,
-                                     offset_bytes=b.offset_bytes) for b in self.buffers],
-            layers=[pb.LayerPlacement(buffer_index=l.buffer_index, offset_bytes=l.offset_bytes,
-                                      block_stride_bytes=l.block_stride_bytes) for l in self.layers],
-            page_bytes=self.page_bytes, num_blocks=self.num_blocks, dtype=self.dtype)
+        buffers = [pb.RegionBuffer(cuda_ipc_handle=b.ipc_handle, size_bytes=b.size_bytes, device=b.device,
+                                   offset_bytes=b.offset_bytes) for b in self.buffers]
+        return region_request(self, buffers, pid)
 
 
 def page_placements(shape: Sequence[int], strides: Sequence[int], itemsize: int, storage_offset: int,

@@ -36,13 +36,18 @@ class RegionSpec:
     engine_id: str = field(default_factory=lambda: f"engine-{uuid.uuid4().hex[:8]}")
 
     def to_request(self, pid: int | None = None) -> "pb.RegisterRegionRequest":
-        return pb.RegisterRegionRequest(
-            engine_id=self.engine_id, pid=pid if pid is not None else os.getpid(),
-            buffers=[pb.RegionBuffer(shm_path=p, size_bytes=s, device=-1)
-                     for p, s in zip(self.shm_paths, self.buffer_sizes)],
-            layers=[pb.LayerPlacement(buffer_index=l.buffer_index, offset_bytes=l.offset_bytes,
-                                      block_stride_bytes=l.block_stride_bytes) for l in self.layers],
-            page_bytes=self.page_bytes, num_blocks=self.num_blocks, dtype=self.dtype)
+        buffers = [pb.RegionBuffer(shm_path=p, size_bytes=s, device=-1)
+                   for p, s in zip(self.shm_paths, self.buffer_sizes)]
+        return region_request(self, buffers, pid)
+
+
+def region_request(spec, buffers: list, pid: int | None = None) -> "pb.RegisterRegionRequest":
+    """The registration message of a region spec (shared by the shm and CUDA specs)."""
+    return pb.RegisterRegionRequest(
+        engine_id=spec.engine_id, pid=pid if pid is not None else os.getpid(), buffers=buffers,
+        layers=[pb.LayerPlacement(buffer_index=l.buffer_index, offset_bytes=l.offset_bytes,
+                                  block_stride_bytes=l.block_stride_bytes) for l in spec.layers],
+        page_bytes=spec.page_bytes, num_blocks=spec.num_blocks, dtype=spec.dtype)
 
 
 class ShmKvBuffer:

@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import secrets
 import time
 import uuid
-from typing import Awaitable, Callable
+from typing import Awaitable
 
 import grpc
 
 from kvbm_client.config import KvbmConfig
-from kvbm_client.contract import GRPC_OPTIONS, pb, rpc, sign_plan
+from kvbm_client.contract import pb, rpc, sign_plan
 from kvbm_client.ids import MAX_HASH_BYTES, BlockHash, JobId, PlanKind, SessionId, Tier, WorkerId
 
 from .commands import create as create_commands
