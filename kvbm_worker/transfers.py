@@ -9,6 +9,7 @@ reuse the host slot of a block it first demotes to disk.
 from __future__ import annotations
 
 import mmap
+import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -62,6 +63,9 @@ class TransferEngine:
                  bounce_slots: int = 64) -> None:
         self.host, self.disk, self.disk_io = host, disk, disk_io
         self.bounce: dict[str, BounceBuffer] = {}
+        # Fault injection for tests only: zero every page a CPU load writes, to prove that an
+        # engine's output depends on the bytes kvbm delivers (tests/vllm negative control).
+        self.corrupt_loads = os.environ.get("KVBM_FAULT_CORRUPT_LOADS", "") == "1"
         if disk is not None and disk_io is not None:
             n = max(1, min(bounce_slots, disk.geometry.num_slots))
             for lane in ("store", "load"):
@@ -88,6 +92,9 @@ class TransferEngine:
                     cpu.gather(region, blocks, self.host.slots, slots)
                 else:
                     cpu.scatter(self.host.slots, slots, region, blocks)
+                    if self.corrupt_loads:
+                        for view in region.layer_views:
+                            view[np.asarray(blocks, np.int64)] = 0
             else:
                 self._disk_engine(batch.kind, region, blocks, slots)
             moved += len(picks) * region.block_bytes

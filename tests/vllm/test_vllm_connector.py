@@ -108,3 +108,12 @@ def test_engine_serves_without_kvbm_running(vllm_python, tiny_model, baseline, t
     assert outputs(result) == outputs(baseline)
     assert result["metrics"]["vllm:external_prefix_cache_hits"] == 0
     assert time.monotonic() - start < 300
+
+
+def test_negative_control_corrupted_loads_change_outputs(vllm_python, tiny_model, baseline, kvbm_node, tmp_path):
+    """The comparison can fail: a worker that zeroes what it loads makes the outputs differ, so
+    identical outputs above mean the engine's forward pass read the bytes kvbm delivered."""
+    node = kvbm_node(DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS="512", KVBM_FAULT_CORRUPT_LOADS="1")
+    result = run_engine(vllm_python, tiny_model, tmp_path / "corrupt.json", "--kvbm", "--rounds", "4", env=node.env)
+    assert result["metrics"]["vllm:external_prefix_cache_hits"] > 0
+    assert outputs(result) != outputs(baseline)
