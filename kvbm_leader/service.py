@@ -310,8 +310,9 @@ class LeaderService(rpc.LeaderServicer):
         lost = self.tiers.reset()
         self.events.cleared()
         self.metrics.inc("kvbm_lost_blocks", lost)
-        if not self.closing:
-            log.warning("worker %s lost (%s): %d blocks are no longer matchable", worker_id, why, lost)
+        if not self.closing:  # a worker stopping while it holds nothing is routine, not a warning
+            log.log(logging.WARNING if lost else logging.INFO,
+                    "worker %s detached (%s): %d blocks are no longer matchable", worker_id, why, lost)
 
     async def SetLayout(self, request, context):
         await self._guard(context)
