@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import threading
 import time
 from typing import Protocol, Sequence
 
@@ -73,6 +74,10 @@ class NixlDiskIO:
 
     def __init__(self, fd: int, file_bytes: int, agent_name: str) -> None:
         nixl_agent, nixl_agent_config = _load_nixl()
+        # NOTE: one transfer at a time per agent. The store and load lanes both do disk I/O; two
+        # concurrent transfers on one agent made the POSIX backend fail to submit its io_uring
+        # queue and then corrupt the heap (seen in the fault soak: "munmap_chunk(): invalid pointer").
+        self._lock = threading.Lock()
         self.fd = fd
         self.agent_name = agent_name
         self.agent = nixl_agent(agent_name, nixl_agent_config(backends=["POSIX"]))
@@ -84,6 +89,10 @@ class NixlDiskIO:
     def _xfer(self, op: str, addrs: Sequence[int], offsets: Sequence[int], length: int) -> None:
         if not addrs:
             return
+        with self._lock:
+            self._xfer_locked(op, addrs, offsets, length)
+
+    def _xfer_locked(self, op: str, addrs: Sequence[int], offsets: Sequence[int], length: int) -> None:
         local = self.agent.get_xfer_descs([(a, length, 0) for a in addrs], "DRAM")
         remote = self.agent.get_xfer_descs([(o, length, self.fd) for o in offsets], "FILE")
         handle = self.agent.initialize_xfer(op, local, remote, self.agent_name)
