@@ -51,23 +51,17 @@ def make_cluster_node(tmp_path: Path) -> Iterator[Callable[..., Node]]:
 
     def factory(node_name: str = "a", num_workers: int = 1, start: bool = True, etcd: EtcdServer | None = None,
                 nats: NatsServer | None = None, **env: str) -> Node:
-        import os
-
         root = tmp_path / f"node-{node_name}-{len(nodes)}"
         root.mkdir()
-        base = {k: v for k, v in os.environ.items()
-                if not k.startswith("DYN_KVBM_") and k not in ("ETCD_ENDPOINTS", "NATS_SERVER")}
-        base.update({"DYN_KVBM_SOCKET_DIR": str(root / "sock"), "DYN_KVBM_DISK_CACHE_DIR": str(root / "disk"),
-                     "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": "32", "DYN_LOG": "debug",
-                     "DYN_KVBM_JOB_TIMEOUT_SECS": "3", "PYTHONUNBUFFERED": "1", "DYN_KVBM_NODE_NAME": node_name,
-                     "DYN_KVBM_ETCD_LEASE_TTL_SECS": "3"})
+        overrides: dict[str, str] = {"DYN_KVBM_JOB_TIMEOUT_SECS": "3", "DYN_KVBM_NODE_NAME": node_name,
+                                     "DYN_KVBM_ETCD_LEASE_TTL_SECS": "3"}
         if etcd is not None:
-            base["ETCD_ENDPOINTS"] = etcd.endpoints
+            overrides["ETCD_ENDPOINTS"] = etcd.endpoints
         if nats is not None:
-            base["NATS_SERVER"] = nats.url
-        base.update({k: str(v) for k, v in env.items()})
-        base = {k: v for k, v in base.items() if v != ""}
-        node = Node(root, base, num_workers)
+            overrides["NATS_SERVER"] = nats.url
+        overrides.update(env)
+        node = Node(root, _integration.node_env(root, overrides, drop=("ETCD_ENDPOINTS", "NATS_SERVER")),
+                    num_workers)
         nodes.append(node)
         return node.start() if start else node
 

@@ -146,6 +146,17 @@ class Node:
             b.close()
 
 
+def node_env(root: Path, overrides: dict, drop: tuple[str, ...] = ()) -> dict[str, str]:
+    """The environment of a test node's daemons: this process's, minus any DYN_KVBM_* (and
+    ``drop``), plus test defaults and ``overrides``; an override of "" unsets a variable."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("DYN_KVBM_") and k not in drop}
+    base.update({"DYN_KVBM_SOCKET_DIR": str(root / "sock"), "DYN_KVBM_DISK_CACHE_DIR": str(root / "disk"),
+                 "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": "32", "DYN_LOG": "debug",
+                 "DYN_KVBM_JOB_TIMEOUT_SECS": "5", "PYTHONUNBUFFERED": "1"})
+    base.update({k: str(v) for k, v in overrides.items()})
+    return {k: v for k, v in base.items() if v != ""}
+
+
 @pytest.fixture
 def make_node(tmp_path: Path) -> Iterator[Callable[..., Node]]:
     """Factory: ``make_node(num_workers=1, start=True, **DYN_KVBM_* overrides)``."""
@@ -154,13 +165,7 @@ def make_node(tmp_path: Path) -> Iterator[Callable[..., Node]]:
     def factory(num_workers: int = 1, start: bool = True, **env: str) -> Node:
         root = tmp_path / f"node{len(nodes)}"
         root.mkdir()
-        base = {k: v for k, v in os.environ.items() if not k.startswith("DYN_KVBM_")}
-        base.update({"DYN_KVBM_SOCKET_DIR": str(root / "sock"), "DYN_KVBM_DISK_CACHE_DIR": str(root / "disk"),
-                     "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": "32", "DYN_LOG": "debug",
-                     "DYN_KVBM_JOB_TIMEOUT_SECS": "5", "PYTHONUNBUFFERED": "1"})
-        base.update({k: str(v) for k, v in env.items()})
-        base = {k: v for k, v in base.items() if v != ""}
-        node = Node(root, base, num_workers)
+        node = Node(root, node_env(root, env), num_workers)
         nodes.append(node)
         return node.start() if start else node
 
