@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # TTFT of kvbm ("ours") against the peers on the real vLLM 0.26 GPU engine, in one harness run.
 # Run on the GPU machine from the repo root, after installing the wheel bundle into .site
-# (../shared/reference/VLLM_GPU.md) and grpcio/xxhash into /tmp/site:
+# (../shared/reference/VLLM_GPU.md) and grpcio into /tmp/site:
 #   benchmarks/vllm_gpu_ttft.sh OUT.jsonl baseline,native,lmcache,dynamo,ours [vllm_peers.py args...]
 # 20K workload: --users 5 --sys-len 0 --ctx-len 20000 --turn-len 128 --max-len 24576 --g1-gb 4
 # 8K workload:  (the harness defaults) --users 8 --sys-len 1024 --ctx-len 6144 --turn-len 256 --g1-gb 3
 # The kvbm service (leader + one `--gpu 0` worker, G2 = 24 GB) is started beside the engine and
 # outlives each engine process; the engine reaches it through the README's kv-transfer-config.
+# OURS_EXTRA: kv_connector_extra_config JSON for "ours" (default {}: synchronous loads).
+# KVBM_LOGDIR: daemon logs and each engine's stderr (default /tmp/kvbm-logs).
 set -u
 out=$1; systems=$2; shift 2
 export PYTHONPATH=/tmp/site:$PWD/.site:$PWD HF_HUB_OFFLINE=1 VLLM_CACHE_ROOT=/tmp/vc PYTHONUNBUFFERED=1
+export PYTHONFAULTHANDLER=1  # a hung engine killed with SIGABRT prints every thread's stack
 logdir=${KVBM_LOGDIR:-/tmp/kvbm-logs}; mkdir -p "$logdir"
 pids=()
 if [[ ",$systems," == *",ours,"* ]]; then
@@ -17,9 +20,9 @@ if [[ ",$systems," == *",ours,"* ]]; then
   DYN_LOG=${DYN_LOG:-info} python3 -m kvbm_leader >>"$logdir/leader.log" 2>&1 & pids+=($!)
   DYN_LOG=${DYN_LOG:-info} python3 -m kvbm_worker --gpu 0 --no-nixl >>"$logdir/worker.log" 2>&1 & pids+=($!)
   unset DYN_KVBM_CPU_CACHE_GB  # the harness sets it for the engine process
-  export OURS_KTC='{"kv_connector":"KvbmConnector","kv_connector_module_path":"kvbm_client.connectors.vllm","kv_role":"kv_both","kv_load_failure_policy":"recompute"}'
+  export OURS_KTC='{"kv_connector":"KvbmConnector","kv_connector_module_path":"kvbm_client.connectors.vllm","kv_role":"kv_both","kv_load_failure_policy":"recompute","kv_connector_extra_config":'"${OURS_EXTRA:-{\}}"'}'
 fi
-python3 benchmarks/vllm_peers.py --systems "$systems" --out "$out" "$@"
+python3 benchmarks/vllm_peers.py --systems "$systems" --out "$out" --logdir "$logdir" "$@"
 rc=$?
 for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done
 wait

@@ -8,7 +8,10 @@ generate(max_tokens=1). Cold round 0 is reported apart from the warm rounds.
   python3 vllm_peers.py --systems baseline,native,lmcache,dynamo,ours --out results.jsonl
 
 (Copied from ../shared/tools/vllm_peers.py; additions: --max-tokens and the output token ids in
-each row, for the greedy-equality check; KVBM_CONNECTOR_TRACE is passed through.)
+each row, for the greedy-equality check; each row's start time, to line up with
+KVBM_CONNECTOR_TRACE; each engine runs in its own process group, and one that outlives
+--timeout gets SIGABRT first (with PYTHONFAULTHANDLER=1 every process of it prints its
+threads' stacks into --logdir) and then SIGKILL, so no leftover EngineCore holds the GPU.)
 
 "ours": start the kvbm service first (it must outlive the engine processes) and set OURS_KTC to the
 kv-transfer-config JSON that the README documents.
@@ -92,9 +95,9 @@ def engine(args):
     llm.generate([{"prompt_token_ids": list(range(1000, 1600))}], sp, use_tqdm=False)
     rows = []
     for r, u, prompt in workload(args.users, args.rounds, args.sys_len, args.ctx_len, args.turn_len):
-        t = time.perf_counter()
+        t, wall = time.perf_counter(), time.time()
         o = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
-        rows.append({"round": r, "user": u, "tokens": len(prompt), "ttft_s": time.perf_counter() - t,
+        rows.append({"round": r, "user": u, "tokens": len(prompt), "ttft_s": time.perf_counter() - t, "t0": wall,
                      "cached": o.num_cached_tokens or 0, "output": list(o.outputs[0].token_ids)})
     warm = [x["ttft_s"] for x in rows if x["round"] > 0]
     cold = [x["ttft_s"] for x in rows if x["round"] == 0]
@@ -125,6 +128,7 @@ def main():
     ap.add_argument("--timeout", type=int, default=300)
     ap.add_argument("--max-tokens", type=int, default=1)
     ap.add_argument("--out", default="")
+    ap.add_argument("--logdir", default="", help="keep each engine's stderr here")
     ap.add_argument("--tiny", action="store_true", help="a tiny model, for a smoke test on a CPU build")
     args = ap.parse_args()
     if args.engine:
@@ -143,13 +147,25 @@ def main():
                "--ctx-len", str(args.ctx_len), "--turn-len", str(args.turn_len), "--max-len", str(args.max_len),
                "--g1-gb", str(args.g1_gb), "--g2-gb", str(args.g2_gb), "--max-tokens", str(args.max_tokens)]
         t = time.time()
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, **env}, start_new_session=True)
         try:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
-                               env={**os.environ, **env})
-            lines = [l for l in p.stdout.splitlines() if l.startswith('{"system"')]
-            res = json.loads(lines[-1]) if lines else {"system": name, "error": (p.stderr or p.stdout)[-1500:]}
-        except subprocess.TimeoutExpired as e:
-            res = {"system": name, "error": f"timeout after {args.timeout}s: " + str((e.stderr or b'')[-800:])}
+            stdout, stderr = p.communicate(timeout=args.timeout)
+            lines = [l for l in stdout.splitlines() if l.startswith('{"system"')]
+            res = json.loads(lines[-1]) if lines else {"system": name, "error": (stderr or stdout)[-1500:]}
+        except subprocess.TimeoutExpired:
+            import signal
+            for sig in (signal.SIGABRT, signal.SIGKILL):  # stacks first (faulthandler), then sure
+                try:
+                    os.killpg(p.pid, sig)
+                except ProcessLookupError:
+                    pass
+                time.sleep(3)
+            stdout, stderr = p.communicate()
+            res = {"system": name, "error": f"timeout after {args.timeout}s: " + stderr[-800:]}
+        if args.logdir:
+            with open(os.path.join(args.logdir, f"{name}.stderr.log"), "a") as f:
+                f.write(stderr)
         res["wall_s"] = round(time.time() - t, 1)
         summary = {k: v for k, v in res.items() if k != "rows"}
         print(json.dumps(summary), flush=True)

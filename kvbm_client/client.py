@@ -61,6 +61,21 @@ class TransferResult:
     seconds: float
 
 
+def plan_handle(kind: PlanKind, signed, n: int, indices: tuple[int, ...], present: int = 0,
+                full: int = 0) -> TransferHandle:
+    """A :class:`TransferHandle` for a leader's answer (``signed``: its SignedPlan, or None)."""
+    if signed is None:
+        return TransferHandle(kind, None, 0, (), present, full)
+    plan = pb.TransferPlan()
+    plan.ParseFromString(signed.plan)
+    return TransferHandle(kind, JobId(plan.job_id), n, indices, present, full, plan.deadline, signed)
+
+
+def session_lost(exc: grpc.RpcError) -> bool:
+    """The leader does not know our session (it restarted, or the session expired)."""
+    return exc.code() == grpc.StatusCode.NOT_FOUND and "unknown or expired session" in (exc.details() or "")
+
+
 class AsyncKvbmClient:
     """Async client; create with :meth:`connect`."""
 
@@ -151,7 +166,7 @@ class AsyncKvbmClient:
             try:
                 return await getattr(self._leader, name)(request, timeout=timeout or self.control_timeout)
             except grpc.RpcError as exc:
-                if attempt == 0 and _session_lost(exc) and hasattr(request, "session_id"):
+                if attempt == 0 and session_lost(exc) and hasattr(request, "session_id"):
                     # The leader restarted (or our session expired): open a new session, retry once.
                     await self._open_session()
                     log.warning("kvbm session re-opened after: %s", exc.details())
@@ -228,7 +243,7 @@ class AsyncKvbmClient:
                             parents: Sequence[BlockHash] | None = None) -> TransferHandle:
         resp = await self._leader_call("PrepareStore", pb.PrepareStoreRequest(
             session_id=self.session_id, hashes=list(hashes), parent_hashes=list(parents or [])))
-        return self._handle(PlanKind.STORE, resp.plan if resp.HasField("plan") else None, len(resp.indices),
+        return plan_handle(PlanKind.STORE, resp.plan if resp.HasField("plan") else None, len(resp.indices),
                             tuple(resp.indices), resp.skipped_present, resp.skipped_full)
 
     async def prepare_load(self, hashes: Sequence[BlockHash], count_hit: bool = False,
@@ -238,17 +253,9 @@ class AsyncKvbmClient:
         resp = await self._leader_call("PrepareLoad", pb.PrepareLoadRequest(
             session_id=self.session_id, hashes=list(hashes), count_hit=count_hit,
             tokens_per_block=tokens_per_block))
-        return self._handle(PlanKind.LOAD, resp.plan if resp.HasField("plan") else None, resp.num_planned,
+        return plan_handle(PlanKind.LOAD, resp.plan if resp.HasField("plan") else None, resp.num_planned,
                             tuple(range(resp.num_planned)))
 
-    @staticmethod
-    def _handle(kind: PlanKind, signed, n: int, indices: tuple[int, ...], present: int = 0,
-                full: int = 0) -> TransferHandle:
-        if signed is None:
-            return TransferHandle(kind, None, 0, (), present, full)
-        plan = pb.TransferPlan()
-        plan.ParseFromString(signed.plan)
-        return TransferHandle(kind, JobId(plan.job_id), n, indices, present, full, plan.deadline, signed)
 
     def start(self, handle: TransferHandle, engine_blocks: Sequence[int],
               worker_ids: Sequence[str] | None = None) -> None:
@@ -320,10 +327,6 @@ class AsyncKvbmClient:
         if handle.is_empty or handle.tasks:
             return
         await self._leader_call("Release", pb.ReleaseRequest(session_id=self.session_id, job_id=handle.job_id))
-
-
-def _session_lost(exc: grpc.RpcError) -> bool:
-    return exc.code() == grpc.StatusCode.NOT_FOUND and "unknown or expired session" in (exc.details() or "")
 
 
 class KvbmClient:

@@ -224,16 +224,15 @@ class LeaderService(rpc.LeaderServicer):
             return pb.PrepareLoadResponse(num_planned=0)
         plan = self.tiers.prepare_load(self.jobs.next_id(), keys)
         if request.count_hit:  # the same prefix a match would find: count it without a second pass
-            hit = self.frequency.hit
-            for key in plan.keys:
-                hit(key)
+            self.frequency.hit_many(plan.keys)
             self._count_lookup(keys, MatchResult(len(plan.keys), tuple(plan.tiers)), request.tokens_per_block)
         resp = pb.PrepareLoadResponse(num_planned=len(plan.keys))
         if plan.keys:
             _, signed = self._new_job(plan, session)
             resp.plan.CopyFrom(signed)
-        log.debug("onboard decision job=%d: load %d/%d [%s] from %s", plan.job_id, len(plan.keys), len(keys),
-                  _short(plan.keys), ",".join(sorted({t.label for t in plan.tiers})) or "-")
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("onboard decision job=%d: load %d/%d [%s] from %s", plan.job_id, len(plan.keys), len(keys),
+                      _short(plan.keys), ",".join(sorted({t.label for t in set(plan.tiers)})) or "-")
         self._maybe_promote([k for k, t in zip(plan.keys, plan.tiers) if t is Tier.DISK])
         return resp
 

@@ -61,6 +61,17 @@ class FrequencyFilter:
         self._write(key, 2 * freq if freq > 0 else 2)
         return self.frequency(key)
 
+    def hit_many(self, keys) -> None:
+        """:meth:`hit` for each key (a load's whole prefix), without per-key call overhead."""
+        table, step, move, bound = self._table, self._step, self._table.move_to_end, self.max_entries
+        for key in keys:
+            entry = table.get(key)
+            freq = max(0, entry[0] - (step - entry[1])) if entry is not None else 0
+            table[key] = (2 * freq if freq > 0 else 2, step)
+            move(key)
+            if len(table) > bound:
+                table.popitem(last=False)
+
     def decay(self, prune_budget: int = 10_000) -> None:
         """One decay step: every frequency drops by 1; zeros are forgotten.
 

@@ -6,6 +6,7 @@ baseline run without kvbm (bit for bit), and vLLM's own counters show the extern
 """
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -23,9 +24,11 @@ def cached(result: dict) -> int:
     return sum(r["cached"] for r in result["records"])
 
 
-def test_identical_outputs_and_hits_from_g2(vllm_python, tiny_model, baseline, kvbm_node, tmp_path):
+@pytest.mark.parametrize("load_mode", ["sync", "async"])
+def test_identical_outputs_and_hits_from_g2(vllm_python, tiny_model, baseline, kvbm_node, tmp_path, load_mode):
     node = kvbm_node(DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS="512")
-    result = run_engine(vllm_python, tiny_model, tmp_path / "g2.json", "--kvbm", "--rounds", "4", env=node.env)
+    result = run_engine(vllm_python, tiny_model, tmp_path / "g2.json", "--kvbm", "--rounds", "4",
+                        "--kvbm-extra", json.dumps({"load_mode": load_mode}), env=node.env)
     assert outputs(result) == outputs(baseline)
     assert result["metrics"]["vllm:external_prefix_cache_hits"] > 0
     assert cached(result) > cached(baseline), "kvbm served no tokens that G1 had lost"

@@ -18,6 +18,9 @@ class LoadSpec:
     plan: bytes
     signature: bytes
     engine_blocks: list[int]
+    #: loaded before this step's forward (vLLM counted the tokens as computed); else the
+    #: request waits for ``finished_recving``.
+    sync: bool = False
 
 
 @dataclass

@@ -6,6 +6,12 @@ runs without hits), never a hang or a crash.
 
 Per step: at most one ``PrepareLoad`` per new request (it matches, counts the hit and pins
 the blocks in one round trip) and one ``PrepareStore`` for all blocks completed in the step.
+The calls are blocking RPCs on the scheduler's own thread (:class:`LeaderSession`).
+
+Loads are synchronous by default (``load_mode``): the hit's tokens count as computed at
+once, the worker role copies them in before the step's forward, and the request is prefilled
+in the same step. ``load_mode: "async"`` parks the request in ``WAITING_FOR_REMOTE_KVS``
+until the worker role reports the load done, so other requests' steps never wait for a copy.
 """
 from __future__ import annotations
 
@@ -15,11 +21,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...client import KvbmClient, TransferHandle
-from ...config import KvbmConfig
+from ...client import TransferHandle
 from ...errors import KvbmError, KvbmUnavailableError
 from ...ids import BlockHash
 from .metadata import KvbmConnectorMetadata, LoadSpec, StoreSpec
+from ...leader_session import LeaderSession
 from .settings import Backoff, ConnectorSettings
 from .worker import TRACE, trace
 
@@ -38,6 +44,7 @@ class RequestState:
     load_first_block: int = 0
     load_sent: bool = False
     has_stores: bool = False
+    miss_at: tuple[int, int] | None = None  # (computed, tokens) of the last lookup that missed
 
 
 class KvbmConnectorScheduler:
@@ -45,21 +52,21 @@ class KvbmConnectorScheduler:
         self.block_size = block_size
         self.settings = settings
         self._ns = settings.namespace.encode()
-        self._client: KvbmClient | None = None
+        self._client: LeaderSession | None = None
         self._backoff = Backoff(settings.retry_s)
         self._reqs: dict[str, RequestState] = {}
         self._loads: list[LoadSpec] = []
         self._delayed: list[str] = []
 
     # ------------------------------------------------------------------ leader link
-    def _leader(self) -> KvbmClient | None:
+    def _leader(self) -> LeaderSession | None:
         if self._client is not None:
             return self._client
         if not self._backoff.ready():
             return None
         try:
-            self._client = KvbmClient(KvbmConfig.from_env(leader_address=self.settings.leader_address),
-                                      client_name="vllm-scheduler", timeout=self.settings.timeout_s)
+            self._client = LeaderSession(self.settings.leader_address, client_name="vllm-scheduler",
+                                         timeout=self.settings.timeout_s)
             log.info("kvbm connector: connected to leader %s", self.settings.leader_address)
             self._backoff.reset()
         except (KvbmError, OSError) as exc:
@@ -107,8 +114,11 @@ class KvbmConnectorScheduler:
     # ------------------------------------------------------------------ vLLM hooks
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         state = self._state(request)
+        sync = self.settings.load_mode == "sync"
         if state.load is not None and not state.load_sent:
-            return state.load.num_blocks * self.block_size, True  # asked again: same answer
+            return state.load.num_blocks * self.block_size, not sync  # asked again: same answer
+        if state.miss_at == (num_computed_tokens, request.num_tokens):
+            return 0, False  # asked again while the request waits for G1 space: same miss
         keys = self._keys(state)
         first = num_computed_tokens // self.block_size
         # Leave at least one prompt token to compute: vLLM's CPU kernels crash (SIGILL) on a
@@ -123,10 +133,13 @@ class KvbmConnectorScheduler:
                   planned=handle.num_blocks if handle is not None else 0,
                   ms=round((time.perf_counter() - t0) * 1e3, 2))
         if handle is None or handle.is_empty:
+            if handle is not None:
+                state.miss_at = (num_computed_tokens, request.num_tokens)
             return 0, False
         state.load, state.load_first_block = handle, first
-        log.debug("kvbm hit %s: %d blocks after %d local", request.request_id, handle.num_blocks, first)
-        return handle.num_blocks * self.block_size, True
+        log.debug("kvbm hit %s: %d blocks after %d local (%s load)", request.request_id, handle.num_blocks, first,
+                  self.settings.load_mode)
+        return handle.num_blocks * self.block_size, not sync
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         state = self._reqs.get(request.request_id)
@@ -140,7 +153,7 @@ class KvbmConnectorScheduler:
         first = state.load_first_block
         signed = state.load.signed
         self._loads.append(LoadSpec(request.request_id, signed.plan, signed.signature,
-                                    list(block_ids[first:first + n])))
+                                    list(block_ids[first:first + n]), sync=self.settings.load_mode == "sync"))
         state.load_sent = True
         state.num_stored = max(state.num_stored, first + n)
 
@@ -169,8 +182,13 @@ class KvbmConnectorScheduler:
                 blocks.append(state.block_ids[i])
                 owners.append(req_id)
             state.num_stored = max(state.num_stored, full)
+        if TRACE and (meta.loads or keys):
+            trace("step", loads=[(x.req_id, len(x.engine_blocks), x.sync) for x in meta.loads], store_keys=len(keys))
         if keys:
+            t0 = time.perf_counter()
             handle = self._call("prepare_store", keys)
+            if TRACE:
+                trace("prepare_store", keys=len(keys), ms=round((time.perf_counter() - t0) * 1e3, 2))
             if handle is not None and not handle.is_empty:
                 picked = [owners[i] for i in handle.indices]
                 for req_id in set(picked):

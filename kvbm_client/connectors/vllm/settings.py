@@ -17,6 +17,10 @@ class ConnectorSettings:
     timeout_s: float
     retry_s: float
     ready_timeout_s: float = 120.0
+    #: "sync": a hit is loaded in the step that computes the rest of the prompt (the engine
+    #: waits for the copy; one step less, the lowest TTFT). "async": the request waits in
+    #: WAITING_FOR_REMOTE_KVS while other requests keep running (no stall of their decodes).
+    load_mode: str = "sync"
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any], default_namespace: str) -> "ConnectorSettings":
@@ -26,10 +30,21 @@ class ConnectorSettings:
         return cls(leader_address=cfg.resolved_leader_address, worker_address_template=template,
                    namespace=str(extra.get("namespace") or default_namespace),
                    timeout_s=float(extra.get("timeout_s", 2.0)), retry_s=float(extra.get("retry_s", 2.0)),
-                   ready_timeout_s=float(extra.get("ready_timeout_s", 120.0)))
+                   ready_timeout_s=float(extra.get("ready_timeout_s", 120.0)),
+                   load_mode=_load_mode(extra.get("load_mode", "sync")))
 
     def worker_address(self, worker_id: str) -> str:
         return self.worker_address_template.replace("{id}", worker_id)
+
+
+LOAD_MODES = ("sync", "async")
+
+
+def _load_mode(value: Any) -> str:
+    mode = str(value).lower()
+    if mode not in LOAD_MODES:
+        raise ValueError(f"kv_connector_extra_config.load_mode={value!r}: one of {', '.join(LOAD_MODES)}")
+    return mode
 
 
 class Backoff:

@@ -8,6 +8,11 @@ stores were in flight are reported in ``finished_sending`` so vLLM frees their b
 then. Loads start in ``start_load_kv`` and complete in ``get_finished``. A worker daemon that
 is down turns loads into load errors (vLLM recomputes) and stores into skips; the region is
 re-registered when the daemon is back.
+
+A synchronous load (``LoadSpec.sync``) is waited for in ``start_load_kv``, before the step's
+forward is enqueued; the daemon's reply comes after its copy stream finished, so the forward
+reads loaded pages. An asynchronous one is reported in ``finished_recving`` by the first
+``get_finished`` that finds it done (never waited for there: other requests' steps go on).
 """
 from __future__ import annotations
 
@@ -163,13 +168,35 @@ class KvbmConnectorWorker:
         return self._stub.Transfer.future(request, timeout=max(self.settings.timeout_s, 30.0))
 
     def start_loads(self, meta: KvbmConnectorMetadata) -> None:
+        sync: list[tuple[str, InFlight]] = []
         for spec in meta.loads:
             future = self._submit(spec.plan, spec.signature, spec.engine_blocks)
             if future is None:
                 self._load_errors.update(spec.engine_blocks)
-                self._loads[spec.req_id] = InFlight(_done_future(), [spec.req_id], [], 0.0)
-                continue
-            self._loads[spec.req_id] = InFlight(future, [spec.req_id], spec.engine_blocks, time.monotonic())
+                item = InFlight(_done_future(), [spec.req_id], [], 0.0)
+            else:
+                item = InFlight(future, [spec.req_id], spec.engine_blocks, time.monotonic())
+            if spec.sync:
+                sync.append((spec.req_id, item))
+            else:
+                self._loads[spec.req_id] = item
+        for req_id, item in sync:  # all submitted first: one daemon call per request, in parallel
+            self._settle_load(req_id, item, "sync")
+
+    def _settle_load(self, req_id: str, item: InFlight, mode: str) -> None:
+        try:
+            item.future.result()
+        except grpc.RpcError as exc:
+            log.warning("kvbm load for %s failed (%s); vLLM recomputes it", req_id, exc.details())
+            self._load_errors.update(item.engine_blocks)
+            with self._lock:
+                self._lost(exc)
+        except Exception as exc:  # cancelled with a replaced channel
+            log.warning("kvbm load for %s failed (%r); vLLM recomputes it", req_id, exc)
+            self._load_errors.update(item.engine_blocks)
+        if TRACE and item.engine_blocks:
+            trace("load", req=req_id, blocks=len(item.engine_blocks), mode=mode,
+                  submit_to_done_ms=round((time.monotonic() - item.deadline) * 1e3, 2))
 
     def start_stores(self, meta: KvbmConnectorMetadata) -> None:
         if not meta.stores:
@@ -230,21 +257,11 @@ class KvbmConnectorWorker:
         """(finished_sending, finished_recving) for vLLM's ``get_finished``."""
         recving: set[str] = set()
         for req_id, item in list(self._loads.items()):
-            try:
-                item.future.result()  # loads are small and were started this step
-            except grpc.RpcError as exc:
-                log.warning("kvbm load for %s failed (%s); vLLM recomputes it", req_id, exc.details())
-                self._load_errors.update(item.engine_blocks)
-                with self._lock:
-                    self._lost(exc)
-            except Exception as exc:  # cancelled with a replaced channel
-                log.warning("kvbm load for %s failed (%r); vLLM recomputes it", req_id, exc)
-                self._load_errors.update(item.engine_blocks)
+            if not item.future.done():
+                continue  # reported by a later step's get_finished
+            self._settle_load(req_id, item, "async")
             recving.add(req_id)
             del self._loads[req_id]
-            if TRACE and item.engine_blocks:
-                trace("load", req=req_id, blocks=len(item.engine_blocks),
-                      submit_to_done_ms=round((time.monotonic() - item.deadline) * 1e3, 2))
         if meta is not None:
             self._awaiting_send.update(meta.delayed_frees)
         # Settle stores that are already done so their requests' blocks can be freed.

@@ -172,3 +172,18 @@ def test_disabled_filter_passes_everything(enabled: bool) -> None:
 def test_max_entries_must_be_positive(max_entries: int) -> None:
     with pytest.raises(ValueError):
         FrequencyFilter(max_entries=max_entries)
+
+
+def test_hit_many_is_hit_for_each_key() -> None:
+    one, many = make_filter(max_entries=4), make_filter(max_entries=4)
+    for f in (one, many):
+        f.observe(key(1))
+        f.hit(key(2))
+        f.decay()
+    keys = [key(1), key(2), key(3), key(4), key(5), key(1)]
+    for k in keys:
+        one.hit(k)
+    many.hit_many(keys)
+    assert [one.frequency(key(i)) for i in range(6)] == [many.frequency(key(i)) for i in range(6)]
+    assert len(one) == len(many) == 4  # the bound evicted the same least recent entry
+    assert one.frequency(key(2)) == many.frequency(key(2)) == 0

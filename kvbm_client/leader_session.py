@@ -1,0 +1,127 @@
+"""A leader session on gRPC's blocking stack, for an engine's scheduler thread.
+
+A connector's scheduler role calls the leader a few times per engine step, on the engine's
+own thread. Each call here is one blocking RPC on the caller's thread: no event loop, no
+hand-off to another thread and back (:class:`~kvbm_client.client.KvbmClient` runs the
+asyncio client on a private loop thread, which costs two thread wake-ups per call). A daemon
+thread renews the session; the pins of a session that stops renewing (the engine died)
+expire at the leader after its TTL.
+
+The engine process then uses only gRPC's synchronous stack (the worker role's channel is
+synchronous too), so nothing in it depends on an asyncio loop surviving vLLM's process
+model (fork, worker threads).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+
+import grpc
+
+from .client import TransferHandle, plan_handle, session_lost
+from .contract import GRPC_OPTIONS, pb, rpc
+from .errors import KvbmError, KvbmUnavailableError, from_rpc_error
+from .ids import BlockHash, PlanKind
+
+log = logging.getLogger("kvbm.client")
+
+
+class LeaderSession:
+    """``prepare_load`` / ``prepare_store`` / ``release`` against one leader, synchronously.
+
+    Raises :class:`~kvbm_client.errors.KvbmError` subclasses (``KvbmUnavailableError`` when
+    the leader cannot be reached within ``timeout``).
+    """
+
+    def __init__(self, address: str, client_name: str = "kvbm-scheduler", timeout: float = 2.0) -> None:
+        self.address = address
+        self.client_name = client_name
+        self.timeout = timeout
+        self.session_id = ""
+        self.ttl_s = 10.0
+        self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self._stub = rpc.LeaderStub(self._channel)
+        self._stop = threading.Event()
+        try:
+            self._open(wait_for_ready=True)
+        except KvbmError:
+            self._channel.close()
+            raise
+        self._renewer = threading.Thread(target=self._renew, name="kvbm-session", daemon=True)
+        self._renewer.start()
+
+    # ------------------------------------------------------------------ session
+    def _open(self, wait_for_ready: bool = False) -> None:
+        try:
+            resp = self._stub.OpenSession(pb.OpenSessionRequest(client_name=self.client_name),
+                                          timeout=self.timeout, wait_for_ready=wait_for_ready)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise KvbmUnavailableError(f"open session at {self.address}: no leader answered within "
+                                           f"{self.timeout:g}s") from None
+            raise from_rpc_error(exc, f"open session at {self.address}") from None
+        self.session_id, self.ttl_s = resp.session_id, resp.ttl_ms / 1000
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.ttl_s / 3):
+            try:
+                self._stub.KeepAlive(pb.KeepAliveRequest(session_id=self.session_id), timeout=self.ttl_s / 3)
+            except grpc.RpcError as exc:
+                if session_lost(exc):
+                    try:
+                        self._open()
+                        log.warning("kvbm session re-opened at %s", self.address)
+                    except KvbmError as reopen:
+                        log.debug("kvbm session re-open failed: %s", reopen)
+                else:
+                    log.debug("kvbm keepalive failed: %s", exc.code().name)
+
+    def _call(self, name: str, request):
+        for attempt in (0, 1):
+            request.session_id = self.session_id
+            try:
+                return getattr(self._stub, name)(request, timeout=self.timeout)
+            except grpc.RpcError as exc:
+                if attempt == 0 and session_lost(exc):  # the leader restarted: new session, once
+                    self._open()
+                    continue
+                raise from_rpc_error(exc, f"leader {name}") from None
+
+    # ------------------------------------------------------------------ calls
+    def prepare_load(self, hashes: Sequence[BlockHash], count_hit: bool = False,
+                     tokens_per_block: int = 0) -> TransferHandle:
+        """Plan and pin the longest stored prefix of ``hashes`` (``count_hit``: also count the lookup)."""
+        resp = self._call("PrepareLoad", pb.PrepareLoadRequest(hashes=list(hashes), count_hit=count_hit,
+                                                              tokens_per_block=tokens_per_block))
+        return plan_handle(PlanKind.LOAD, resp.plan if resp.HasField("plan") else None, resp.num_planned,
+                           tuple(range(resp.num_planned)))
+
+    def prepare_store(self, hashes: Sequence[BlockHash]) -> TransferHandle:
+        """Plan slots for the entries of ``hashes`` not stored yet (``indices``: which)."""
+        resp = self._call("PrepareStore", pb.PrepareStoreRequest(hashes=list(hashes)))
+        return plan_handle(PlanKind.STORE, resp.plan if resp.HasField("plan") else None, len(resp.indices),
+                           tuple(resp.indices), resp.skipped_present, resp.skipped_full)
+
+    def release(self, handle: TransferHandle) -> None:
+        """Give back a prepared job that will not be started (unpins a load)."""
+        if handle.is_empty:
+            return
+        self._call("Release", pb.ReleaseRequest(job_id=handle.job_id))
+
+    def close(self) -> None:
+        """Close the session (the leader drops its pins) and the channel; idempotent."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        try:
+            self._stub.CloseSession(pb.CloseSessionRequest(session_id=self.session_id), timeout=2)
+        except grpc.RpcError:
+            pass
+        self._channel.close()
+
+    def __enter__(self) -> "LeaderSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
