@@ -13,9 +13,12 @@ set -u
 out=$1; systems=$2; shift 2
 export PYTHONPATH=/tmp/site:$PWD/.site:$PWD HF_HUB_OFFLINE=1 VLLM_CACHE_ROOT=/tmp/vc PYTHONUNBUFFERED=1
 export PYTHONFAULTHANDLER=1  # a hung engine killed with SIGABRT prints every thread's stack
+# vLLM 0.26 warms a FlashInfer top-k/top-p sampler that is JIT-compiled (minutes, with ninja) on a
+# machine with an empty cache; greedy sampling does not use it. Off for every system alike.
+export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
 logdir=${KVBM_LOGDIR:-/tmp/kvbm-logs}; mkdir -p "$logdir"
 pids=()
-if [[ ",$systems," == *",ours,"* ]]; then
+if [[ ",$systems," == *",ours"* ]]; then
   export DYN_KVBM_SOCKET_DIR=/tmp/kvbm-sock-$$ DYN_KVBM_CPU_CACHE_GB=24
   DYN_LOG=${DYN_LOG:-info} python3 -m kvbm_leader >>"$logdir/leader.log" 2>&1 & pids+=($!)
   DYN_LOG=${DYN_LOG:-info} python3 -m kvbm_worker --gpu 0 --no-nixl >>"$logdir/worker.log" 2>&1 & pids+=($!)

@@ -63,8 +63,12 @@ def system_kwargs(name, g2_gb):
         kw["kv_transfer_config"] = {"kv_connector": "DynamoConnector", "kv_role": "kv_both",
                                     "kv_connector_module_path": "kvbm.vllm_integration.connector"}
         env.update(DYN_KVBM_CPU_CACHE_GB=str(g2_gb), DYN_KVBM_METRICS="false")
-    elif name == "ours":
+    elif name in ("ours", "ours_async"):  # ours_async: the same, with load_mode "async"
         kw["kv_transfer_config"] = json.loads(os.environ["OURS_KTC"])
+        if name == "ours_async":
+            # its own key namespace: the same service, but none of the "ours" run's blocks
+            kw["kv_transfer_config"].setdefault("kv_connector_extra_config", {}).update(
+                load_mode="async", namespace="ours_async")
         env.update(DYN_KVBM_CPU_CACHE_GB=str(g2_gb))
     else:
         raise SystemExit(f"unknown system {name}")

@@ -215,6 +215,8 @@ class KvbmConnectorScheduler:
                 state.block_ids.extend(new_ids[0])
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
+        if TRACE:
+            trace("finished", req=request.request_id)
         state = self._reqs.pop(request.request_id, None)
         if state is None:
             return False, None
