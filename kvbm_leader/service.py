@@ -82,11 +82,12 @@ class LeaderService(rpc.LeaderServicer):
         if len(hashes) > self.config.max_hashes:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"{len(hashes)} {what} in one request; at most {self.config.max_hashes}")
-        for i, h in enumerate(hashes):
-            if not 0 < len(h) <= MAX_HASH_BYTES:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"{what}[{i}] has {len(h)} bytes; 1..{MAX_HASH_BYTES} allowed")
-        return [BlockHash(bytes(h)) for h in hashes]
+        keys: list[BlockHash] = list(hashes)  # protobuf hands out bytes objects already
+        if keys and not (0 < min(map(len, keys)) and max(map(len, keys)) <= MAX_HASH_BYTES):
+            i, h = next((i, h) for i, h in enumerate(keys) if not 0 < len(h) <= MAX_HASH_BYTES)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"{what}[{i}] has {len(h)} bytes; 1..{MAX_HASH_BYTES} allowed")
+        return keys
 
     async def _worker(self, worker_id: str, context) -> WorkerRecord:
         record = self.membership.workers.get(WorkerId(worker_id))
