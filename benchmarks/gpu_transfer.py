@@ -159,7 +159,8 @@ class Matmul:
 def bench_mechanisms(matmul: Matmul) -> None:
     from kvbm_client.cuda_export import page_placements
     from kvbm_worker.cuda_region import CudaEngineRegion
-    from kvbm_worker.handlers.cuda import CudaCopier, PinnedHost
+    from kvbm_worker.handlers.cuda import CudaCopier
+    from kvbm_worker.handlers.pinned import PinnedHost
     from kvbm_worker.pools import HostPool, SlotGeometry
     n = 1250
     host = HostPool(SlotGeometry.of(BLOCK_BYTES, n))

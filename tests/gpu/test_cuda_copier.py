@@ -12,7 +12,8 @@ if cuda_ready():
 import torch  # noqa: E402
 
 from gpu_kv import block_bytes, fill_random, local_region, make_kv  # noqa: E402
-from kvbm_worker.handlers.cuda import CudaCopier, PinnedHost  # noqa: E402
+from kvbm_worker.handlers.cuda import CudaCopier  # noqa: E402
+from kvbm_worker.handlers.pinned import PinnedHost  # noqa: E402
 from kvbm_worker.pools import HostPool, SlotGeometry  # noqa: E402
 
 NUM_BLOCKS, LAYERS, SLOTS = 48, 3, 40

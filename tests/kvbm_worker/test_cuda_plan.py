@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from kvbm_client.cuda_export import page_placements
-from kvbm_worker.handlers.cuda import segments
+from kvbm_worker.handlers.pinned import segments
 
 
 def test_segments_merge_only_runs_adjacent_on_both_sides():
@@ -59,7 +59,7 @@ def test_worker_parser_has_gpu_options_and_cpu_import_is_lazy():
 
 
 def test_runs_are_cut_at_pinned_range_edges():
-    from kvbm_worker.handlers.cuda import PinnedHost
+    from kvbm_worker.handlers.pinned import PinnedHost
     pinned = PinnedHost(0)
     pinned._starts = np.array([1000, 1500, 3000], np.int64)  # three registrations, as pin() records them
     src = np.array([0, 5000], np.int64)
