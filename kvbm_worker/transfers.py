@@ -66,6 +66,9 @@ class TransferEngine:
         # Fault injection for tests only: zero every page a CPU load writes, to prove that an
         # engine's output depends on the bytes kvbm delivers (tests/vllm negative control).
         self.corrupt_loads = os.environ.get("KVBM_FAULT_CORRUPT_LOADS", "") == "1"
+        # ... and fail every CPU load after zeroing its pages: the engine must recompute them
+        # (tests/vllm: a failed synchronous load must not leak into the outputs).
+        self.fail_loads = os.environ.get("KVBM_FAULT_FAIL_LOADS", "") == "1"
         if disk is not None and disk_io is not None:
             n = max(1, min(bounce_slots, disk.geometry.num_slots))
             for lane in ("store", "load"):
@@ -92,9 +95,11 @@ class TransferEngine:
                     cpu.gather(region, blocks, self.host.slots, slots)
                 else:
                     cpu.scatter(self.host.slots, slots, region, blocks)
-                    if self.corrupt_loads:
+                    if self.corrupt_loads or self.fail_loads:
                         for view in region.layer_views:
                             view[np.asarray(blocks, np.int64)] = 0
+                    if self.fail_loads:
+                        raise OSError("KVBM_FAULT_FAIL_LOADS: load failed after writing zeros")
             else:
                 self._disk_engine(batch.kind, region, blocks, slots)
             moved += len(picks) * region.block_bytes

@@ -120,3 +120,15 @@ def test_negative_control_corrupted_loads_change_outputs(vllm_python, tiny_model
     result = run_engine(vllm_python, tiny_model, tmp_path / "corrupt.json", "--kvbm", "--rounds", "4", env=node.env)
     assert result["metrics"]["vllm:external_prefix_cache_hits"] > 0
     assert outputs(result) != outputs(baseline)
+
+
+def test_failed_sync_loads_are_recomputed(vllm_python, tiny_model, baseline, kvbm_node, tmp_path):
+    """A synchronous load that fails after the engine counted its tokens as computed (the worker
+    writes zeros, then errors) is recomputed by vLLM: the outputs stay the baseline's."""
+    node = kvbm_node(DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS="512", KVBM_FAULT_FAIL_LOADS="1")
+    result = run_engine(vllm_python, tiny_model, tmp_path / "fail.json", "--kvbm", "--rounds", "4",
+                        "--kvbm-extra", json.dumps({"load_mode": "sync"}), env=node.env)
+    assert outputs(result) == outputs(baseline)
+    c = node.counters()
+    assert c["kvbm_failed_jobs"] > 0, "no load was attempted, so nothing was tested"
+    assert c.get("kvbm_onboard_blocks_h2d", 0) == 0
