@@ -115,6 +115,25 @@ def engine(args):
                       "rows": rows}), flush=True)
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc), children before grandchildren."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(0), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="/tmp/qwen3-4b-shape")
@@ -159,7 +178,13 @@ def main():
             res = json.loads(lines[-1]) if lines else {"system": name, "error": (stderr or stdout)[-1500:]}
         except subprocess.TimeoutExpired:
             import signal
+            tree = [p.pid] + descendants(p.pid)  # vLLM's EngineCore may leave our process group
             for sig in (signal.SIGABRT, signal.SIGKILL):  # stacks first (faulthandler), then sure
+                for pid in tree:
+                    try:
+                        os.kill(pid, sig)
+                    except ProcessLookupError:
+                        pass
                 try:
                     os.killpg(p.pid, sig)
                 except ProcessLookupError:
