@@ -71,6 +71,18 @@ def plan_handle(kind: PlanKind, signed, n: int, indices: tuple[int, ...], presen
     return TransferHandle(kind, JobId(plan.job_id), n, indices, present, full, plan.deadline, signed)
 
 
+def load_handle(resp: "pb.PrepareLoadResponse") -> TransferHandle:
+    """The handle of a leader's ``PrepareLoad`` answer."""
+    return plan_handle(PlanKind.LOAD, resp.plan if resp.HasField("plan") else None, resp.num_planned,
+                       tuple(range(resp.num_planned)))
+
+
+def store_handle(resp: "pb.PrepareStoreResponse") -> TransferHandle:
+    """The handle of a leader's ``PrepareStore`` answer (``indices``: the entries planned)."""
+    return plan_handle(PlanKind.STORE, resp.plan if resp.HasField("plan") else None, len(resp.indices),
+                       tuple(resp.indices), resp.skipped_present, resp.skipped_full)
+
+
 def session_lost(exc: grpc.RpcError) -> bool:
     """The leader does not know our session (it restarted, or the session expired)."""
     return exc.code() == grpc.StatusCode.NOT_FOUND and "unknown or expired session" in (exc.details() or "")
@@ -243,8 +255,7 @@ class AsyncKvbmClient:
                             parents: Sequence[BlockHash] | None = None) -> TransferHandle:
         resp = await self._leader_call("PrepareStore", pb.PrepareStoreRequest(
             session_id=self.session_id, hashes=list(hashes), parent_hashes=list(parents or [])))
-        return plan_handle(PlanKind.STORE, resp.plan if resp.HasField("plan") else None, len(resp.indices),
-                            tuple(resp.indices), resp.skipped_present, resp.skipped_full)
+        return store_handle(resp)
 
     async def prepare_load(self, hashes: Sequence[BlockHash], count_hit: bool = False,
                            tokens_per_block: int = 0) -> TransferHandle:
@@ -253,9 +264,7 @@ class AsyncKvbmClient:
         resp = await self._leader_call("PrepareLoad", pb.PrepareLoadRequest(
             session_id=self.session_id, hashes=list(hashes), count_hit=count_hit,
             tokens_per_block=tokens_per_block))
-        return plan_handle(PlanKind.LOAD, resp.plan if resp.HasField("plan") else None, resp.num_planned,
-                            tuple(range(resp.num_planned)))
-
+        return load_handle(resp)
 
     def start(self, handle: TransferHandle, engine_blocks: Sequence[int],
               worker_ids: Sequence[str] | None = None) -> None:

@@ -19,10 +19,10 @@ from collections.abc import Sequence
 
 import grpc
 
-from .client import TransferHandle, plan_handle, session_lost
+from .client import TransferHandle, load_handle, session_lost, store_handle
 from .contract import GRPC_OPTIONS, pb, rpc
 from .errors import KvbmError, KvbmUnavailableError, from_rpc_error
-from .ids import BlockHash, PlanKind
+from .ids import BlockHash
 
 log = logging.getLogger("kvbm.client")
 
@@ -94,14 +94,12 @@ class LeaderSession:
         """Plan and pin the longest stored prefix of ``hashes`` (``count_hit``: also count the lookup)."""
         resp = self._call("PrepareLoad", pb.PrepareLoadRequest(hashes=list(hashes), count_hit=count_hit,
                                                               tokens_per_block=tokens_per_block))
-        return plan_handle(PlanKind.LOAD, resp.plan if resp.HasField("plan") else None, resp.num_planned,
-                           tuple(range(resp.num_planned)))
+        return load_handle(resp)
 
     def prepare_store(self, hashes: Sequence[BlockHash]) -> TransferHandle:
         """Plan slots for the entries of ``hashes`` not stored yet (``indices``: which)."""
         resp = self._call("PrepareStore", pb.PrepareStoreRequest(hashes=list(hashes)))
-        return plan_handle(PlanKind.STORE, resp.plan if resp.HasField("plan") else None, len(resp.indices),
-                           tuple(resp.indices), resp.skipped_present, resp.skipped_full)
+        return store_handle(resp)
 
     def release(self, handle: TransferHandle) -> None:
         """Give back a prepared job that will not be started (unpins a load)."""

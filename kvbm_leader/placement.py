@@ -178,22 +178,16 @@ class TierManager:
     def prepare_load(self, job_id: JobId, keys: list[BlockHash]) -> JobPlan:
         plan = JobPlan(job_id, PlanKind.LOAD)
         blocks, pools = self.registry.blocks, self.registry.pools
-        host, disk = Tier.HOST, Tier.DISK
-        for key in keys:  # the hot path of every request: BlockEntry.best_tier, inlined
+        for key in keys:  # the hot path of every request
             entry = blocks.get(key)
-            if entry is None:
+            tier = entry.best_tier if entry is not None else None
+            if tier is None:
                 break
-            copy = entry.copies.get(host)
-            tier = host
-            if copy is None or copy.job is not None:
-                copy, tier = entry.copies.get(disk), disk
-                if copy is None or copy.job is not None:
-                    break
             entry.pins += 1
             pools[tier].lru.touch(key)
             plan.keys.append(key)
             plan.tiers.append(tier)
-            plan.slots.append(copy.slot)
+            plan.slots.append(entry.copies[tier].slot)
         return plan
 
     def prepare_demotion(self, job_id: JobId, free_target: int, scan_limit: int = 4096) -> JobPlan:

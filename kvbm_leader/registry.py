@@ -27,6 +27,9 @@ class TierCopy:
         return self.job is None
 
 
+_LOAD_ORDER = (Tier.HOST, Tier.DISK)
+
+
 @dataclass(slots=True)
 class BlockEntry:
     """Everything the leader knows about one logical block (all ranks' shards together)."""
@@ -47,8 +50,11 @@ class BlockEntry:
 
     @property
     def best_tier(self) -> Tier | None:
-        for tier in (Tier.HOST, Tier.DISK):
-            if self.ready_in(tier):
+        """The fastest tier holding a ready copy (every load asks this per block: kept to dict lookups)."""
+        copies = self.copies
+        for tier in _LOAD_ORDER:
+            copy = copies.get(tier)
+            if copy is not None and copy.job is None:
                 return tier
         return None
 

@@ -57,12 +57,12 @@ class FrequencyFilter:
 
     def hit(self, key: BlockHash) -> int:
         """A cache hit doubles the frequency (an unknown block counts as first seen, then hit)."""
-        freq = self.frequency(key)
-        self._write(key, 2 * freq if freq > 0 else 2)
+        self.hit_many((key,))
         return self.frequency(key)
 
     def hit_many(self, keys) -> None:
-        """:meth:`hit` for each key (a load's whole prefix), without per-key call overhead."""
+        """:meth:`hit` for each key (a load's whole prefix) in one pass: the doubling rule and
+        the bound live here only."""
         table, step, move, bound = self._table, self._step, self._table.move_to_end, self.max_entries
         for key in keys:
             entry = table.get(key)

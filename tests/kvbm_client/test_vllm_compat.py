@@ -1,25 +1,15 @@
 """The vLLM version shims of the connector (``kvbm_client/connectors/vllm/compat.py``), without
-vLLM: the module is loaded from its file, so the package ``__init__`` (which imports vLLM) is
-not run."""
+vLLM (``connector_module``, conftest.py)."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-PATH = Path(__file__).resolve().parents[2] / "kvbm_client/connectors/vllm/compat.py"
 
-
-@pytest.fixture(scope="module")
-def compat():
-    spec = importlib.util.spec_from_file_location("kvbm_client.connectors.vllm.compat", PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, module)
-    spec.loader.exec_module(module)
-    return module
+@pytest.fixture
+def compat(connector_module):
+    return connector_module("compat")
 
 
 def strides(shape):

@@ -1,30 +1,17 @@
-"""The vLLM connector's scheduler role as pure logic: a fake leader answers, no vLLM needed.
-
-The package ``kvbm_client.connectors.vllm`` imports vLLM in its ``__init__``; a bare package
-module stands in for it so its submodules import without vLLM.
-"""
+"""The vLLM connector's scheduler role as pure logic: a fake leader answers, no vLLM needed
+(``connector_module``, conftest.py)."""
 from __future__ import annotations
 
-import sys
-import types
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-DIR = Path(__file__).resolve().parents[2] / "kvbm_client/connectors/vllm"
 BS = 16
 
 
 @pytest.fixture
-def scheduler_module(monkeypatch):
-    pkg = types.ModuleType("kvbm_client.connectors.vllm")
-    pkg.__path__ = [str(DIR)]
-    monkeypatch.setitem(sys.modules, "kvbm_client.connectors.vllm", pkg)
-    for name in ("scheduler", "settings", "metadata", "worker"):
-        monkeypatch.delitem(sys.modules, f"kvbm_client.connectors.vllm.{name}", raising=False)
-    import importlib
-    return importlib.import_module("kvbm_client.connectors.vllm.scheduler")
+def scheduler_module(connector_module):
+    return connector_module("scheduler")
 
 
 class FakeLeader:

@@ -1,22 +1,13 @@
-"""The connector's settings (``kv_connector_extra_config`` over ``DYN_KVBM_*``), without vLLM."""
+"""The connector's settings (``kv_connector_extra_config`` over ``DYN_KVBM_*``), without vLLM
+(``connector_module``, conftest.py)."""
 from __future__ import annotations
-
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
-PATH = Path(__file__).resolve().parents[2] / "kvbm_client/connectors/vllm/settings.py"
 
-
-@pytest.fixture(scope="module")
-def settings():
-    spec = importlib.util.spec_from_file_location("kvbm_client.connectors.vllm.settings", PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, module)
-    spec.loader.exec_module(module)
-    return module
+@pytest.fixture
+def settings(connector_module):
+    return connector_module("settings")
 
 
 def test_loads_are_synchronous_unless_asked(settings, monkeypatch):

@@ -24,8 +24,8 @@ from typing import Any
 from ...client import TransferHandle
 from ...errors import KvbmError, KvbmUnavailableError
 from ...ids import BlockHash
-from .metadata import KvbmConnectorMetadata, LoadSpec, StoreSpec
 from ...leader_session import LeaderSession
+from .metadata import KvbmConnectorMetadata, LoadSpec, StoreSpec
 from .settings import Backoff, ConnectorSettings
 from .worker import TRACE, trace
 
@@ -114,7 +114,7 @@ class KvbmConnectorScheduler:
     # ------------------------------------------------------------------ vLLM hooks
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         state = self._state(request)
-        sync = self.settings.load_mode == "sync"
+        sync = self.settings.sync_loads
         if state.load is not None and not state.load_sent:
             return state.load.num_blocks * self.block_size, not sync  # asked again: same answer
         if state.miss_at == (num_computed_tokens, request.num_tokens):
@@ -153,7 +153,7 @@ class KvbmConnectorScheduler:
         first = state.load_first_block
         signed = state.load.signed
         self._loads.append(LoadSpec(request.request_id, signed.plan, signed.signature,
-                                    list(block_ids[first:first + n]), sync=self.settings.load_mode == "sync"))
+                                    list(block_ids[first:first + n]), sync=self.settings.sync_loads))
         state.load_sent = True
         state.num_stored = max(state.num_stored, first + n)
 

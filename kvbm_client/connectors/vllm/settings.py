@@ -33,6 +33,10 @@ class ConnectorSettings:
                    ready_timeout_s=float(extra.get("ready_timeout_s", 120.0)),
                    load_mode=_load_mode(extra.get("load_mode", "sync")))
 
+    @property
+    def sync_loads(self) -> bool:
+        return self.load_mode == "sync"
+
     def worker_address(self, worker_id: str) -> str:
         return self.worker_address_template.replace("{id}", worker_id)
 
