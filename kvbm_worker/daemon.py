@@ -208,6 +208,7 @@ class WorkerDaemon:
                 try:
                     self.service.pools = await asyncio.get_running_loop().run_in_executor(
                         None, self._allocate, plan.epoch, host_geo, disk_geo)
+                    await self.service.warm_lanes()
                 except Exception as exc:
                     ok, error = False, f"{type(exc).__name__}: {exc}"
                     log.error("pool allocation failed: %s", error)

@@ -18,6 +18,7 @@ import numpy as np
 from kvbm_client.contract import pb, rpc, verify_plan
 from kvbm_client.ids import PlanKind, Tier
 
+from .jobs import Job, JobKey, JobTable
 from .pools import DiskPool, HostPool
 from .regions import EngineRegion, RegionError
 from .transfers import Batch, TransferEngine
@@ -60,6 +61,14 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+class JobFailed(Exception):
+    """A transfer job's failure, as the gRPC status every caller of that job gets."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
 class WorkerService(rpc.WorkerServicer):
     """State of one worker: the engine region, the pools, and the leader's trust anchor."""
 
@@ -73,7 +82,7 @@ class WorkerService(rpc.WorkerServicer):
         self.closing = False
         self.alloc_progress = 0.0
         self.counters: dict[str, float] = {"bytes_stored": 0, "bytes_loaded": 0, "bytes_demoted": 0, "bytes_promoted": 0,
-                                           "jobs_ok": 0, "jobs_failed": 0}
+                                           "jobs_ok": 0, "jobs_failed": 0, "jobs_joined": 0}
         self._reporter = reporter  # async (job_id, ok, error, bytes, seconds) -> accepted
         self._on_layout = None  # async callback when a region (layout) appears
         self.region_factory = EngineRegion  # request -> region; a GPU worker opens CUDA IPC buffers
@@ -82,6 +91,7 @@ class WorkerService(rpc.WorkerServicer):
         self._inflight = 0
         self._idle = asyncio.Condition()
         self._reports: set[asyncio.Task] = set()
+        self._jobs = JobTable()
 
     # ------------------------------------------------------------------ helpers
     async def _guard(self, context) -> None:
@@ -95,7 +105,14 @@ class WorkerService(rpc.WorkerServicer):
         return pb.KvLayout(num_layers=r.num_layers, page_bytes=r.page_bytes, dtype=r.dtype,
                            num_engine_blocks=r.num_blocks, rank=self.rank)
 
+    @staticmethod
+    async def _not_late(plan, context) -> None:
+        if time.monotonic() >= plan.deadline:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"job {plan.job_id} is past its deadline")
+
     async def _verified(self, signed, context) -> "pb.TransferPlan":
+        """The plan, if this node's leader signed it for the pools we have (its deadline is
+        checked by the caller: a call that joins a running job may come after it)."""
         if self.secret is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is not attached to a leader")
         plan = verify_plan(signed, self.secret)
@@ -105,8 +122,6 @@ class WorkerService(rpc.WorkerServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"plan for pool epoch {plan.epoch}; pools are at "
                                 f"{self.pools.epoch if self.pools else 'none'}")
-        if time.monotonic() >= plan.deadline:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"job {plan.job_id} is past its deadline")
         pools = self.pools
         for name, slots, tier in (("demote_host_slots", plan.demote_host_slots, Tier.HOST),
                                   ("demote_disk_slots", plan.demote_disk_slots, Tier.DISK),
@@ -143,6 +158,19 @@ class WorkerService(rpc.WorkerServicer):
             self._inflight -= 1
             async with self._idle:
                 self._idle.notify_all()
+
+    async def warm_lanes(self) -> None:
+        """The pools' engine pays its per-thread first-use costs on each lane, before any job."""
+        engine = self.pools.engine if self.pools is not None else None
+        if engine is None:
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            await asyncio.gather(*(loop.run_in_executor(pool, engine.warm_lane, lane)
+                                   for lane, pool in self._lanes.items()))
+        except Exception as exc:  # the jobs will report the same failure, one by one
+            log.warning("lane warm-up failed (%s: %s); the first copies pay their first-use costs",
+                        type(exc).__name__, exc)
 
     async def drain(self) -> None:
         """Wait until no copy is running (before pools or the region go away)."""
@@ -186,6 +214,7 @@ class WorkerService(rpc.WorkerServicer):
 
     # ------------------------------------------------------------------ transfers
     async def Transfer(self, request, context):
+        received = time.perf_counter()
         await self._guard(context)
         region = self.region
         if region is None or region.region_id != request.region_id:
@@ -203,38 +232,62 @@ class WorkerService(rpc.WorkerServicer):
                                 f"engine block {int(blocks.max())} outside 0..{region.num_blocks - 1}")
         if kind is PlanKind.LOAD and len(np.unique(blocks)) != len(blocks):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a load writes one engine block twice")
-        # NOTE: numpy arrays, not per-entry Python objects: a 1250-block plan costs no Python loop here.
-        batch = Batch(kind, np.asarray(plan.tiers, np.int64), np.asarray(plan.slots, np.int64), blocks,
-                      list(plan.demote_host_slots), list(plan.demote_disk_slots))
-        lane = "store" if kind is PlanKind.STORE else "load"
+        key = JobKey(plan.leader_id, plan.epoch, plan.job_id)
+        job = self._jobs.get(key)
+        joined = job is not None
+        if job is None:
+            await self._not_late(plan, context)
+            # NOTE: numpy arrays, not per-entry Python objects: a 1250-block plan costs no Python loop here.
+            batch = Batch(kind, np.asarray(plan.tiers, np.int64), np.asarray(plan.slots, np.int64), blocks,
+                          list(plan.demote_host_slots), list(plan.demote_disk_slots))
+            task = asyncio.ensure_future(self._run_job(plan, kind, batch, region))
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # outcome read by the callers
+            job = self._jobs.add(Job(key, region.region_id, blocks, plan.deadline, task), time.monotonic())
+        elif not job.same_target(region.region_id, blocks):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"job {plan.job_id} was submitted before with other engine blocks")
+        else:
+            self.counters["jobs_joined"] += 1
+            log.debug("job %d %s: joined (%s)", plan.job_id, kind.name.lower(),
+                      "done" if job.task.done() else "running")
         try:
-            moved, seconds = await self._execute(lane, batch, region)
+            moved, seconds = await asyncio.shield(job.task)
+        except JobFailed as exc:
+            await context.abort(exc.code, exc.message)
+        return pb.TransferResponse(job_id=plan.job_id, bytes=moved, seconds=seconds, joined=joined,
+                                   waited_seconds=time.perf_counter() - received)
+
+    async def _run_job(self, plan, kind: PlanKind, batch: Batch, region: EngineRegion) -> tuple[int, float]:
+        """One transfer, whoever asked for it and whether or not they still wait: the copy,
+        the counters and the leader's report. Raises :class:`JobFailed` with the status to answer."""
+        try:
+            moved, seconds = await self._execute("store" if kind is PlanKind.STORE else "load", batch, region)
         except Exception as exc:
             log.exception("job %d failed", plan.job_id)
             self.counters["jobs_failed"] += 1
             await self._reporter(plan.job_id, False, f"{type(exc).__name__}: {exc}", 0, 0.0)
-            await context.abort(grpc.StatusCode.ABORTED, f"job {plan.job_id} failed on worker "
-                                f"{self.worker_id}: {exc}")
+            raise JobFailed(grpc.StatusCode.ABORTED,
+                            f"job {plan.job_id} failed on worker {self.worker_id}: {exc}") from None
         self.counters["bytes_stored" if kind is PlanKind.STORE else "bytes_loaded"] += moved
         self.counters["jobs_ok"] += 1
-        log.debug("job %d %s: %d blocks, %d bytes in %.2f ms", plan.job_id, kind.name.lower(), len(blocks),
-                  moved, seconds * 1e3)
+        log.debug("job %d %s: %d blocks, %d bytes in %.2f ms", plan.job_id, kind.name.lower(),
+                  len(batch.engine_blocks), moved, seconds * 1e3)
         if kind is PlanKind.LOAD:
             # The bytes are in the engine's memory: answer now and confirm to the leader beside
             # it (its only effect is to unpin the slots, which a lost report does at the deadline).
             task = asyncio.ensure_future(self._reporter(plan.job_id, True, "", moved, seconds))
             self._reports.add(task)
             task.add_done_callback(self._reports.discard)
-            return pb.TransferResponse(job_id=plan.job_id, bytes=moved, seconds=seconds)
-        accepted = await self._reporter(plan.job_id, True, "", moved, seconds)
-        if kind is PlanKind.STORE and not accepted:
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"job {plan.job_id}: bytes stored but the leader did not confirm them")
-        return pb.TransferResponse(job_id=plan.job_id, bytes=moved, seconds=seconds)
+            return moved, seconds
+        if not await self._reporter(plan.job_id, True, "", moved, seconds):
+            raise JobFailed(grpc.StatusCode.UNAVAILABLE,
+                            f"job {plan.job_id}: bytes stored but the leader did not confirm them")
+        return moved, seconds
 
     async def Command(self, request, context):
         await self._guard(context)
         plan = await self._verified(request.plan, context)
+        await self._not_late(plan, context)
         if plan.kind not in (PlanKind.DEMOTE, PlanKind.PROMOTE):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"plan kind {plan.kind} is not a command")
         kind = PlanKind(plan.kind)

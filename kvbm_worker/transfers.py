@@ -77,6 +77,10 @@ class TransferEngine:
             if host is not None:
                 disk_io.register(host.address, host.buffer.nbytes)
 
+    def warm_lane(self, lane: str) -> None:
+        """Called once on each lane thread ("store", "load") before the first job: pay
+        per-thread first-use costs there, not in a user's request. Nothing to do on the CPU."""
+
     def run(self, batch: Batch, region: EngineRegion | None) -> int:
         """Execute ``batch``; returns bytes moved. Raises on I/O failure."""
         moved = self._demote(batch.demote_host, batch.demote_disk)

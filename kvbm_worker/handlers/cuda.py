@@ -22,6 +22,7 @@ Everything CUDA is imported lazily: this module imports on a machine without CUD
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable, Sequence
 
 import numpy as np
@@ -114,23 +115,29 @@ class CudaCopier:
             self._attr = attr
         else:
             self._batch_ok = False
-        self._warm()
 
-    def _warm(self, nbytes: int = 4 << 20) -> None:
-        """One copy each way on each stream, with the mechanism real copies use, at start: the
-        first load after start-up took ~110 ms more than the next ones on the H100 (vLLM 0.26
-        TTFT run, 2026-11-22); a user's request should not pay first-use costs."""
+    def warm(self, direction: str, host_src: int | None = None, nbytes: int = 4 << 20) -> None:
+        """One copy in ``direction`` on its stream, with the mechanism real copies use, on the
+        calling thread (a lane's: the first load after start-up took ~75 ms more than the next
+        ones on the H100, vLLM 0.26 TTFT runs of 2026-11-22, and a warm-up on another thread did
+        not remove it). ``host_src``: pinned bytes to read for "h2d" (never written)."""
         import torch
-        with torch.cuda.device(self.device):
-            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        torch.cuda.set_device(self.device)
+        check(cudart().cudaSetDevice(self.device), "cudaSetDevice")
+        stream = self.streams[direction]
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
             dev = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{self.device}")
+            host = None
+            if direction == "d2h" or host_src is None:
+                host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+                host_src = host.data_ptr()
             half = nbytes // 2
-            h, d = host.data_ptr(), dev.data_ptr()
-            for direction, stream in self.streams.items():
-                src, dst = (np.array([d, d + half]), np.array([h, h + half])) if direction == "d2h" else \
-                    (np.array([h, h + half]), np.array([d, d + half]))
-                self._issue(src, dst, np.array([half, half]), "batch" if self._attr is not None else "runs", stream)
-                stream.synchronize()
+            h, d = np.array([host_src, host_src + half]), np.array([dev.data_ptr(), dev.data_ptr() + half])
+            src, dst = (d, h) if direction == "d2h" else (h, d)
+            self._issue(src, dst, np.array([half, half]), "batch" if self._attr is not None else "runs", stream)
+            event = torch.cuda.Event()
+            event.record(stream)
+            event.synchronize()
             del host, dev
 
     # ------------------------------------------------------------------ entry
@@ -287,6 +294,14 @@ class CudaTransferEngine(TransferEngine):
             self.pinned.close()
             super().close()
             raise
+
+    def warm_lane(self, lane: str) -> None:
+        """Loads read G2 (its first pinned chunk is read, never written); stores write a scratch buffer."""
+        direction = "d2h" if lane == "store" else "h2d"
+        host_src = self.host.address if self.host is not None and self.host.buffer.nbytes >= 4 << 20 else None
+        t0 = time.perf_counter()
+        self.copier.warm(direction, host_src)
+        log.debug("%s lane warmed up in %.1f ms", lane, (time.perf_counter() - t0) * 1e3)
 
     def run(self, batch: Batch, region: EngineRegion | None) -> int:
         if not isinstance(region, CudaEngineRegion):

@@ -63,6 +63,12 @@ class KvbmNode:
     def counters(self) -> dict:
         return dict(self.status().counters)
 
+    def worker_status(self):
+        from kvbm_client.config import KvbmConfig
+        from kvbm_client.contract import pb, rpc
+        with grpc.insecure_channel(KvbmConfig.from_env(self.env).worker_address("0")) as channel:
+            return rpc.WorkerStub(channel).Status(pb.WorkerStatusRequest(), timeout=5)
+
     def wait_ready(self, timeout: float = 60) -> None:
         end = time.monotonic() + timeout
         while time.monotonic() < end:

@@ -46,6 +46,11 @@ def worker_rank(vllm_config) -> int:
         return int(getattr(vllm_config.parallel_config, "rank", 0) or 0)
 
 
+def tensor_parallel_size(vllm_config) -> int:
+    """How many worker processes (one kvbm worker daemon each) serve this engine."""
+    return max(1, int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1))
+
+
 def block_page(shape, strides) -> int | None:
     """Elements of one block's page when dim 0 indexes blocks and each block's slice is one
     dense range (any order of the other dims: vLLM 0.26 FlashAttention per-layer views are

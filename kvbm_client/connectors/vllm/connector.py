@@ -36,7 +36,9 @@ class KvbmConnector(KVConnectorBase_V1):
         self._worker = None
         self._shm = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = KvbmConnectorScheduler(self._block_size, self._settings)
+            workers = [str(extra["worker_id"])] if "worker_id" in extra else \
+                [str(r) for r in range(compat.tensor_parallel_size(vllm_config))]
+            self._scheduler = KvbmConnectorScheduler(self._block_size, self._settings, workers)
         else:
             from .worker import KvbmConnectorWorker
             self._rank = compat.worker_rank(vllm_config)

@@ -25,6 +25,7 @@ from ...client import TransferHandle
 from ...errors import KvbmError, KvbmUnavailableError
 from ...ids import BlockHash
 from ...leader_session import LeaderSession
+from .early_loads import EarlyLoads
 from .metadata import KvbmConnectorMetadata, LoadSpec, StoreSpec
 from .settings import Backoff, ConnectorSettings
 from .worker import TRACE, trace
@@ -48,9 +49,10 @@ class RequestState:
 
 
 class KvbmConnectorScheduler:
-    def __init__(self, block_size: int, settings: ConnectorSettings) -> None:
+    def __init__(self, block_size: int, settings: ConnectorSettings, worker_ids: list[str] | None = None) -> None:
         self.block_size = block_size
         self.settings = settings
+        self._early = EarlyLoads(settings, worker_ids) if settings.early_loads and worker_ids else None
         self._ns = settings.namespace.encode()
         self._client: LeaderSession | None = None
         self._backoff = Backoff(settings.retry_s)
@@ -152,9 +154,14 @@ class KvbmConnectorScheduler:
         block_ids = blocks.get_block_ids()[0]
         first = state.load_first_block
         signed = state.load.signed
-        self._loads.append(LoadSpec(request.request_id, signed.plan, signed.signature,
-                                    list(block_ids[first:first + n]), sync=self.settings.sync_loads))
+        spec = LoadSpec(request.request_id, signed.plan, signed.signature, list(block_ids[first:first + n]),
+                        sync=self.settings.sync_loads)
+        self._loads.append(spec)
         state.load_sent = True
+        if self._early is not None:
+            sent = self._early.submit(spec)
+            if TRACE:
+                trace("early_load", req=request.request_id, blocks=n, workers=sent)
         state.num_stored = max(state.num_stored, first + n)
 
     def _release(self, state: RequestState) -> None:
@@ -229,3 +236,5 @@ class KvbmConnectorScheduler:
 
     def shutdown(self) -> None:
         self._drop_client()
+        if self._early is not None:
+            self._early.close()

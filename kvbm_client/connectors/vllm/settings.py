@@ -21,6 +21,9 @@ class ConnectorSettings:
     #: waits for the copy; one step less, the lowest TTFT). "async": the request waits in
     #: WAITING_FOR_REMOTE_KVS while other requests keep running (no stall of their decodes).
     load_mode: str = "sync"
+    #: the scheduler role starts a hit's copy on the worker daemons as soon as vLLM allocated
+    #: its blocks (see :mod:`.early_loads`); false: the worker role starts it before the forward.
+    early_loads: bool = True
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any], default_namespace: str) -> "ConnectorSettings":
@@ -31,7 +34,8 @@ class ConnectorSettings:
                    namespace=str(extra.get("namespace") or default_namespace),
                    timeout_s=float(extra.get("timeout_s", 2.0)), retry_s=float(extra.get("retry_s", 2.0)),
                    ready_timeout_s=float(extra.get("ready_timeout_s", 120.0)),
-                   load_mode=_load_mode(extra.get("load_mode", "sync")))
+                   load_mode=_load_mode(extra.get("load_mode", "sync")),
+                   early_loads=_flag("early_loads", extra.get("early_loads", True)))
 
     @property
     def sync_loads(self) -> bool:
@@ -49,6 +53,17 @@ def _load_mode(value: Any) -> str:
     if mode not in LOAD_MODES:
         raise ValueError(f"kv_connector_extra_config.load_mode={value!r}: one of {', '.join(LOAD_MODES)}")
     return mode
+
+
+def _flag(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"kv_connector_extra_config.{name}={value!r}: true or false")
 
 
 class Backoff:

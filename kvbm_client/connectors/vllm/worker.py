@@ -184,8 +184,9 @@ class KvbmConnectorWorker:
             self._settle_load(req_id, item, "sync")
 
     def _settle_load(self, req_id: str, item: InFlight, mode: str) -> None:
+        answer = None
         try:
-            item.future.result()
+            answer = item.future.result()
         except grpc.RpcError as exc:
             log.warning("kvbm load for %s failed (%s); vLLM recomputes it", req_id, exc.details())
             self._load_errors.update(item.engine_blocks)
@@ -195,8 +196,11 @@ class KvbmConnectorWorker:
             log.warning("kvbm load for %s failed (%r); vLLM recomputes it", req_id, exc)
             self._load_errors.update(item.engine_blocks)
         if TRACE and item.engine_blocks:
+            daemon = {} if not isinstance(answer, pb.TransferResponse) else {
+                "joined": answer.joined, "copy_ms": round(answer.seconds * 1e3, 2),
+                "in_daemon_ms": round(answer.waited_seconds * 1e3, 2)}
             trace("load", req=req_id, blocks=len(item.engine_blocks), mode=mode,
-                  submit_to_done_ms=round((time.monotonic() - item.deadline) * 1e3, 2))
+                  submit_to_done_ms=round((time.monotonic() - item.deadline) * 1e3, 2), **daemon)
 
     def start_stores(self, meta: KvbmConnectorMetadata) -> None:
         if not meta.stores:

@@ -431,14 +431,18 @@ class TransferRequest(_message.Message):
     def __init__(self, region_id: _Optional[str] = ..., plan: _Optional[_Union[SignedPlan, _Mapping]] = ..., engine_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TransferResponse(_message.Message):
-    __slots__ = ("job_id", "bytes", "seconds")
+    __slots__ = ("job_id", "bytes", "seconds", "joined", "waited_seconds")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    JOINED_FIELD_NUMBER: _ClassVar[int]
+    WAITED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     job_id: int
     bytes: int
     seconds: float
-    def __init__(self, job_id: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+    joined: bool
+    waited_seconds: float
+    def __init__(self, job_id: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., joined: _Optional[bool] = ..., waited_seconds: _Optional[float] = ...) -> None: ...
 
 class CommandRequest(_message.Message):
     __slots__ = ("plan",)

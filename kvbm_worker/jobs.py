@@ -1,0 +1,65 @@
+"""Transfer jobs of one worker, in flight and recently done, keyed by the plan that made them.
+
+A job runs once: a second ``Transfer`` of the same signed plan joins the first and gets its
+outcome (the vLLM scheduler role starts a load as soon as the engine allocated its blocks,
+and the worker role asks for the same plan again before the step's forward). Records are
+kept until the plan's deadline, after which no new job could start from that plan anyway.
+
+Pure bookkeeping (no I/O): the service owns the tasks.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+LIMIT = 1024  # records kept at most (done ones are dropped oldest first beyond it)
+
+
+@dataclass(frozen=True, slots=True)
+class JobKey:
+    """A plan's identity: job ids restart with a leader and belong to one pool epoch."""
+
+    leader_id: str
+    epoch: int
+    job_id: int
+
+
+@dataclass(slots=True)
+class Job:
+    key: JobKey
+    region_id: str
+    engine_blocks: np.ndarray
+    deadline: float  # the plan's, CLOCK_MONOTONIC seconds
+    task: "asyncio.Future[tuple[int, float]]"
+
+    def same_target(self, region_id: str, engine_blocks: np.ndarray) -> bool:
+        return region_id == self.region_id and np.array_equal(engine_blocks, self.engine_blocks)
+
+
+class JobTable:
+    def __init__(self, limit: int = LIMIT) -> None:
+        self.limit = limit
+        self._jobs: OrderedDict[JobKey, Job] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def get(self, key: JobKey) -> Job | None:
+        return self._jobs.get(key)
+
+    def add(self, job: Job, now: float) -> Job:
+        self.expire(now)
+        self._jobs[job.key] = job
+        return job
+
+    def expire(self, now: float) -> None:
+        """Drop done jobs past their deadline, then the oldest done ones beyond ``limit``.
+        A job still running is never dropped (a joining call must find it)."""
+        for key in [k for k, j in self._jobs.items() if j.task.done() and j.deadline <= now]:
+            del self._jobs[key]
+        if len(self._jobs) >= self.limit:
+            for key in [k for k, j in self._jobs.items() if j.task.done()][:len(self._jobs) - self.limit + 1]:
+                del self._jobs[key]
