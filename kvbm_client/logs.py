@@ -22,3 +22,16 @@ def setup_logging(process: str, level: str | None = None) -> None:
         format=f"%(asctime)s %(levelname)s {process}[%(process)d] %(name)s: %(message)s", force=True)
     # gRPC's own debug chatter (one line per poll) would drown the decisions.
     logging.getLogger("grpc").setLevel(max(logging.WARNING, logging.getLogger().level))
+
+
+async def log_loop_stalls(log: logging.Logger, threshold_s: float = 0.02, period_s: float = 0.005) -> None:
+    """Until cancelled: log (debug) each time this event loop could not run for ``threshold_s``
+    or more (a blocking call on the loop, the GIL held by a thread), with how long."""
+    import asyncio
+    loop = asyncio.get_running_loop()
+    while True:
+        start = loop.time()
+        await asyncio.sleep(period_s)
+        late = loop.time() - start - period_s
+        if late >= threshold_s:
+            log.debug("event loop stalled for %.1f ms", late * 1e3)

@@ -21,7 +21,7 @@ from kvbm_client.config import KvbmConfig, add_config_arguments, config_from_arg
 from kvbm_client.contract import GRPC_OPTIONS, pb, rpc
 from kvbm_client.endpoints import is_unix, prepare_unix_socket, remove_unix_socket, secure_unix_socket
 from kvbm_client.errors import KvbmConfigError
-from kvbm_client.logs import setup_logging
+from kvbm_client.logs import log_loop_stalls, setup_logging
 
 from .cluster import WorkerCluster
 from .handlers.disk import open_disk_io
@@ -58,6 +58,7 @@ class WorkerDaemon:
         self._plan_lock = asyncio.Lock()
         self.leader_shutdown = asyncio.Event()
         self._started = self._closed = False
+        self._stall_task: asyncio.Task | None = None
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -81,6 +82,8 @@ class WorkerDaemon:
         self._channel = grpc.aio.insecure_channel(self.leader_address, options=GRPC_OPTIONS)
         self._leader = rpc.LeaderStub(self._channel)
         self._attach_task = asyncio.ensure_future(self._attach_loop())
+        if log.isEnabledFor(logging.DEBUG):  # DYN_LOG=debug: say when the loop could not answer
+            self._stall_task = asyncio.ensure_future(log_loop_stalls(log))
         log.info("worker %s (rank %d) listening on %s; leader %s", self.worker_id, self.rank, self.address,
                  self.leader_address)
 
@@ -89,6 +92,8 @@ class WorkerDaemon:
             return
         self._closed = True
         self.service.closing = True
+        if self._stall_task is not None:
+            self._stall_task.cancel()
         if self._attach_task is not None:
             self._attach_task.cancel()
             try:

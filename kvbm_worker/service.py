@@ -49,6 +49,13 @@ class Pools:
                 pool.close()
 
 
+def _has_duplicates(values: np.ndarray) -> bool:
+    # NOTE: not np.unique: its first call imports numpy.ma, which blocked the event loop for
+    # 46 ms on the H100 host (the first load after start; DYN_LOG=debug "event loop stalled").
+    ordered = np.sort(values)
+    return bool((ordered[1:] == ordered[:-1]).any())
+
+
 def _pid_alive(pid: int) -> bool:
     if pid <= 0:
         return False
@@ -215,6 +222,7 @@ class WorkerService(rpc.WorkerServicer):
     # ------------------------------------------------------------------ transfers
     async def Transfer(self, request, context):
         received = time.perf_counter()
+        transit = max(0.0, time.time() - request.sent_at) if request.sent_at else 0.0
         await self._guard(context)
         region = self.region
         if region is None or region.region_id != request.region_id:
@@ -230,7 +238,7 @@ class WorkerService(rpc.WorkerServicer):
         if len(blocks) and int(blocks.max()) >= region.num_blocks:
             await context.abort(grpc.StatusCode.OUT_OF_RANGE,
                                 f"engine block {int(blocks.max())} outside 0..{region.num_blocks - 1}")
-        if kind is PlanKind.LOAD and len(np.unique(blocks)) != len(blocks):
+        if kind is PlanKind.LOAD and _has_duplicates(blocks):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a load writes one engine block twice")
         key = JobKey(plan.leader_id, plan.epoch, plan.job_id)
         job = self._jobs.get(key)
@@ -243,19 +251,21 @@ class WorkerService(rpc.WorkerServicer):
             task = asyncio.ensure_future(self._run_job(plan, kind, batch, region))
             task.add_done_callback(lambda t: t.cancelled() or t.exception())  # outcome read by the callers
             job = self._jobs.add(Job(key, region.region_id, blocks, plan.deadline, task), time.monotonic())
+            log.debug("job %d %s: started, %d blocks (request in transit %.1f ms)", plan.job_id, kind.name.lower(),
+                      len(blocks), transit * 1e3)
         elif not job.same_target(region.region_id, blocks):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"job {plan.job_id} was submitted before with other engine blocks")
         else:
             self.counters["jobs_joined"] += 1
-            log.debug("job %d %s: joined (%s)", plan.job_id, kind.name.lower(),
-                      "done" if job.task.done() else "running")
+            log.debug("job %d %s: joined (%s; request in transit %.1f ms)", plan.job_id, kind.name.lower(),
+                      "done" if job.task.done() else "running", transit * 1e3)
         try:
             moved, seconds = await asyncio.shield(job.task)
         except JobFailed as exc:
             await context.abort(exc.code, exc.message)
         return pb.TransferResponse(job_id=plan.job_id, bytes=moved, seconds=seconds, joined=joined,
-                                   waited_seconds=time.perf_counter() - received)
+                                   waited_seconds=time.perf_counter() - received, transit_seconds=transit)
 
     async def _run_job(self, plan, kind: PlanKind, batch: Batch, region: EngineRegion) -> tuple[int, float]:
         """One transfer, whoever asked for it and whether or not they still wait: the copy,

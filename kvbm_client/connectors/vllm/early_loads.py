@@ -15,6 +15,7 @@ once per ``retry_s`` while the daemon is away).
 from __future__ import annotations
 
 import logging
+import time
 
 import grpc
 
@@ -46,7 +47,7 @@ class _WorkerLink:
         if region_id is None:
             return False
         request = pb.TransferRequest(region_id=region_id, plan=pb.SignedPlan(plan=spec.plan, signature=spec.signature),
-                                     engine_blocks=spec.engine_blocks)
+                                     engine_blocks=spec.engine_blocks, sent_at=time.time())
         self.pending.append(self.stub.Transfer.future(request, timeout=max(self.timeout_s, 30.0)))
         return True
 

@@ -164,7 +164,7 @@ class KvbmConnectorWorker:
             if not self._ensure_region():
                 return None
         request = pb.TransferRequest(region_id=self.region_id, plan=pb.SignedPlan(plan=plan, signature=signature),
-                                     engine_blocks=blocks)
+                                     engine_blocks=blocks, sent_at=time.time())
         return self._stub.Transfer.future(request, timeout=max(self.settings.timeout_s, 30.0))
 
     def start_loads(self, meta: KvbmConnectorMetadata) -> None:
@@ -198,7 +198,8 @@ class KvbmConnectorWorker:
         if TRACE and item.engine_blocks:
             daemon = {} if not isinstance(answer, pb.TransferResponse) else {
                 "joined": answer.joined, "copy_ms": round(answer.seconds * 1e3, 2),
-                "in_daemon_ms": round(answer.waited_seconds * 1e3, 2)}
+                "in_daemon_ms": round(answer.waited_seconds * 1e3, 2),
+                "transit_ms": round(answer.transit_seconds * 1e3, 2)}
             trace("load", req=req_id, blocks=len(item.engine_blocks), mode=mode,
                   submit_to_done_ms=round((time.monotonic() - item.deadline) * 1e3, 2), **daemon)
 

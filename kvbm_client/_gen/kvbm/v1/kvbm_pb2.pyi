@@ -421,28 +421,32 @@ class UnregisterRegionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class TransferRequest(_message.Message):
-    __slots__ = ("region_id", "plan", "engine_blocks")
+    __slots__ = ("region_id", "plan", "engine_blocks", "sent_at")
     REGION_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     ENGINE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SENT_AT_FIELD_NUMBER: _ClassVar[int]
     region_id: str
     plan: SignedPlan
     engine_blocks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, region_id: _Optional[str] = ..., plan: _Optional[_Union[SignedPlan, _Mapping]] = ..., engine_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
+    sent_at: float
+    def __init__(self, region_id: _Optional[str] = ..., plan: _Optional[_Union[SignedPlan, _Mapping]] = ..., engine_blocks: _Optional[_Iterable[int]] = ..., sent_at: _Optional[float] = ...) -> None: ...
 
 class TransferResponse(_message.Message):
-    __slots__ = ("job_id", "bytes", "seconds", "joined", "waited_seconds")
+    __slots__ = ("job_id", "bytes", "seconds", "joined", "waited_seconds", "transit_seconds")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     JOINED_FIELD_NUMBER: _ClassVar[int]
     WAITED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TRANSIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     job_id: int
     bytes: int
     seconds: float
     joined: bool
     waited_seconds: float
-    def __init__(self, job_id: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., joined: _Optional[bool] = ..., waited_seconds: _Optional[float] = ...) -> None: ...
+    transit_seconds: float
+    def __init__(self, job_id: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., joined: _Optional[bool] = ..., waited_seconds: _Optional[float] = ..., transit_seconds: _Optional[float] = ...) -> None: ...
 
 class CommandRequest(_message.Message):
     __slots__ = ("plan",)
