@@ -7,12 +7,16 @@ Each system ran in its own engine process; the trace's processes are taken in th
 systems ran. Per warm request (round > 0), from the row's start time ``t0``:
   front      t0 -> the scheduler role asks the leader (vLLM front end, request hashing, queue)
   lookup     PrepareLoad round trip (match + count + pin at the leader)
-  sched      PrepareLoad answered -> the worker role submits the load (vLLM allocation, the
-             step's PrepareStore, input preparation)
-  store_prep PrepareStore round trip of the step (part of sched)
-  transfer   Transfer submitted -> the worker daemon answered (the copy into G1)
+  to_copy    PrepareLoad answered -> the copy is sent to the worker daemon (vLLM allocation; with
+             early loads the scheduler role sends it from update_state_after_alloc, else the
+             worker role does, after the step's PrepareStore and input preparation)
+  head_start the copy sent early -> the worker role asks for it (0 without early loads)
+  wait       the worker role's Transfer submitted -> answered (what the engine's thread waits)
   after_load load done -> the request finished in the scheduler (forward, sampling, output)
   ret        finished -> generate() returned
+  (front + lookup + to_copy + head_start + wait + after_load + ret = ttft)
+  store_prep PrepareStore round trip of the step (inside to_copy or head_start)
+  copy       the copy on the daemon's lane, from its answer (it starts at the end of to_copy)
 """
 from __future__ import annotations
 
@@ -20,7 +24,8 @@ import argparse
 import json
 import statistics
 
-FIELDS = ("ttft", "front", "lookup", "sched", "store_prep", "transfer", "after_load", "ret", "blocks")
+FIELDS = ("ttft", "front", "lookup", "to_copy", "head_start", "wait", "after_load", "ret", "store_prep", "copy",
+          "blocks")
 
 
 def load_rows(path: str) -> dict[str, dict]:
@@ -46,10 +51,13 @@ def breakdown(rows: list[dict], events: list[dict]) -> list[dict]:
             continue
         p, ld, f = lookups[-1], loads[0], finished[-1]
         load_start = ld["t"] - ld["submit_to_done_ms"] / 1e3
+        early = [e for e in pick("early_load") if e["req"] == ld["req"]]
+        copy_start = early[0]["t"] if early else load_start
         out.append({"ttft": r["ttft_s"] * 1e3, "front": (p["t"] - p["ms"] / 1e3 - t0) * 1e3, "lookup": p["ms"],
-                    "sched": (load_start - p["t"]) * 1e3, "store_prep": sum(e["ms"] for e in pick("prepare_store")),
-                    "transfer": ld["submit_to_done_ms"], "after_load": (f["t"] - ld["t"]) * 1e3,
-                    "ret": (t1 - f["t"]) * 1e3, "blocks": ld["blocks"]})
+                    "to_copy": (copy_start - p["t"]) * 1e3, "head_start": (load_start - copy_start) * 1e3,
+                    "wait": ld["submit_to_done_ms"], "after_load": (f["t"] - ld["t"]) * 1e3,
+                    "ret": (t1 - f["t"]) * 1e3, "store_prep": sum(e["ms"] for e in pick("prepare_store")),
+                    "copy": ld.get("copy_ms", float("nan")), "blocks": ld["blocks"]})
     return out
 
 

@@ -22,3 +22,15 @@ def test_loads_are_synchronous_unless_asked(settings, monkeypatch):
 def test_unknown_load_mode_is_refused_with_the_choices(settings):
     with pytest.raises(ValueError, match="load_mode='eager': one of sync, async"):
         settings.ConnectorSettings.from_extra({"load_mode": "eager"}, "ns")
+
+
+@pytest.mark.parametrize("value,expected", [(None, True), (False, False), ("false", False), ("0", False),
+                                            (True, True), ("on", True)])
+def test_early_loads_are_on_unless_turned_off(settings, value, expected):
+    extra = {} if value is None else {"early_loads": value}
+    assert settings.ConnectorSettings.from_extra(extra, "ns").early_loads is expected
+
+
+def test_a_malformed_early_loads_flag_is_refused(settings):
+    with pytest.raises(ValueError, match="early_loads='sometimes': true or false"):
+        settings.ConnectorSettings.from_extra({"early_loads": "sometimes"}, "ns")

@@ -1,0 +1,59 @@
+"""The worker's table of transfer jobs (pure bookkeeping; the futures stand in for job tasks)."""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from kvbm_worker.jobs import Job, JobKey, JobTable
+
+
+@pytest.fixture
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+def job(loop, n: int, deadline: float, done: bool = True) -> Job:
+    task = loop.create_future()
+    if done:
+        task.set_result((0, 0.0))
+    return Job(JobKey("leader-a", 1, n), "region-1", np.arange(3), deadline, task)
+
+
+def test_jobs_are_keyed_by_leader_epoch_and_id(loop):
+    table = JobTable()
+    j = table.add(job(loop, 7, deadline=100.0), now=0.0)
+    assert table.get(JobKey("leader-a", 1, 7)) is j
+    assert table.get(JobKey("leader-b", 1, 7)) is None  # a restarted leader reuses job ids
+    assert table.get(JobKey("leader-a", 2, 7)) is None  # a new pool epoch too
+
+
+def test_same_target_compares_region_and_engine_blocks(loop):
+    j = job(loop, 1, deadline=10.0)
+    assert j.same_target("region-1", np.arange(3))
+    assert not j.same_target("region-2", np.arange(3))
+    assert not j.same_target("region-1", np.array([0, 1, 5]))
+
+
+def test_done_jobs_leave_at_their_deadline_running_ones_never(loop):
+    table = JobTable()
+    table.add(job(loop, 1, deadline=5.0), now=0.0)
+    table.add(job(loop, 2, deadline=5.0, done=False), now=0.0)
+    table.add(job(loop, 3, deadline=50.0), now=0.0)
+    table.expire(now=10.0)
+    assert table.get(JobKey("leader-a", 1, 1)) is None
+    assert table.get(JobKey("leader-a", 1, 2)) is not None, "a running job must stay joinable"
+    assert table.get(JobKey("leader-a", 1, 3)) is not None
+
+
+def test_the_oldest_done_jobs_go_first_beyond_the_limit(loop):
+    table = JobTable(limit=3)
+    table.add(job(loop, 1, deadline=99.0, done=False), now=0.0)
+    for n in (2, 3, 4, 5):
+        table.add(job(loop, n, deadline=99.0), now=0.0)
+    assert len(table) == 3
+    kept = [n for n in range(1, 6) if table.get(JobKey("leader-a", 1, n)) is not None]
+    assert kept == [1, 4, 5]
