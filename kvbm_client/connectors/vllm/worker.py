@@ -46,7 +46,7 @@ class InFlight:
     future: grpc.Future
     req_ids: list[str]
     engine_blocks: list[int]
-    deadline: float
+    submitted: float  # time.monotonic() when sent (0 for a load never sent)
 
 
 def region_from_kv_caches(kv_caches: dict, shm_path: str | None, base_tensor) -> RegionSpec | None:
@@ -201,7 +201,7 @@ class KvbmConnectorWorker:
                 "in_daemon_ms": round(answer.waited_seconds * 1e3, 2),
                 "transit_ms": round(answer.transit_seconds * 1e3, 2)}
             trace("load", req=req_id, blocks=len(item.engine_blocks), mode=mode,
-                  submit_to_done_ms=round((time.monotonic() - item.deadline) * 1e3, 2), **daemon)
+                  submit_to_done_ms=round((time.monotonic() - item.submitted) * 1e3, 2), **daemon)
 
     def start_stores(self, meta: KvbmConnectorMetadata) -> None:
         if not meta.stores:
