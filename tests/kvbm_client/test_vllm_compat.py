@@ -1,5 +1,5 @@
 """The vLLM version shims of the connector (``kvbm_client/connectors/vllm/compat.py``), without
-vLLM (``connector_module``, conftest.py)."""
+vLLM (the package imports ``KvbmConnector`` lazily)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -8,8 +8,9 @@ import pytest
 
 
 @pytest.fixture
-def compat(connector_module):
-    return connector_module("compat")
+def compat():
+    from kvbm_client.connectors.vllm import compat
+    return compat
 
 
 def strides(shape):

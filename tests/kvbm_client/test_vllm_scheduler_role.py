@@ -1,5 +1,5 @@
 """The vLLM connector's scheduler role as pure logic: a fake leader answers, no vLLM needed
-(``connector_module``, conftest.py)."""
+(the package imports ``KvbmConnector`` lazily)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -10,8 +10,9 @@ BS = 16
 
 
 @pytest.fixture
-def scheduler_module(connector_module):
-    return connector_module("scheduler")
+def scheduler_module():
+    from kvbm_client.connectors.vllm import scheduler
+    return scheduler
 
 
 class FakeLeader:

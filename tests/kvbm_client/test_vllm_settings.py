@@ -1,13 +1,14 @@
 """The connector's settings (``kv_connector_extra_config`` over ``DYN_KVBM_*``), without vLLM
-(``connector_module``, conftest.py)."""
+(the package imports ``KvbmConnector`` lazily)."""
 from __future__ import annotations
 
 import pytest
 
 
 @pytest.fixture
-def settings(connector_module):
-    return connector_module("settings")
+def settings():
+    from kvbm_client.connectors.vllm import settings
+    return settings
 
 
 def test_loads_are_synchronous_unless_asked(settings, monkeypatch):
