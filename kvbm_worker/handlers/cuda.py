@@ -118,9 +118,10 @@ class CudaCopier:
 
     def warm(self, direction: str, host_src: int | None = None, nbytes: int = 4 << 20) -> None:
         """One copy in ``direction`` on its stream, with the mechanism real copies use, on the
-        calling thread (a lane's: the first load after start-up took ~75 ms more than the next
-        ones on the H100, vLLM 0.26 TTFT runs of 2026-11-22, and a warm-up on another thread did
-        not remove it). ``host_src``: pinned bytes to read for "h2d" (never written)."""
+        calling thread (a lane's), so per-thread first-use costs are paid at start. A precaution:
+        the first-load delay measured on the H100 (2026-11-22) turned out to be the event loop
+        (``np.unique``'s first call, see ``service._has_duplicates``); this warm-up's own effect
+        was not measured apart. ``host_src``: pinned bytes to read for "h2d" (never written)."""
         import torch
         torch.cuda.set_device(self.device)
         check(cudart().cudaSetDevice(self.device), "cudaSetDevice")
