@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+if TYPE_CHECKING:
+    from .config import KvbmConfig
 
 log = logging.getLogger("kvbm.bus")
 
@@ -28,6 +31,19 @@ def events_subject(node: str) -> str:
     return f"kvbm.v1.events.{node}"
 
 
+def nats_auth(config: "KvbmConfig") -> dict[str, Any]:
+    """nats-py connect options for the configured credentials, nkey seed and TLS CA."""
+    out: dict[str, Any] = {}
+    if config.nats_creds:
+        out["user_credentials"] = config.nats_creds
+    if config.nats_nkey_seed:
+        out["nkeys_seed"] = config.nats_nkey_seed
+    if config.nats_tls_ca:
+        import ssl
+        out["tls"] = ssl.create_default_context(cafile=config.nats_tls_ca)
+    return out
+
+
 class NatsBus:
     """A NATS connection that comes up in the background and reconnects by itself.
 
@@ -37,9 +53,10 @@ class NatsBus:
     idempotent.
     """
 
-    def __init__(self, servers: str, name: str) -> None:
+    def __init__(self, servers: str, name: str, auth: dict[str, Any] | None = None) -> None:
         self.servers = [s.strip() for s in servers.split(",") if s.strip()]
         self.name = name
+        self.auth = auth or {}  # nats.connect keywords: user_credentials, nkeys_seed, tls
         self.nc = None
         self.reconnects = 0
         self._subs: list[tuple[str, Callable[..., Awaitable[None]]]] = []
@@ -79,7 +96,7 @@ class NatsBus:
         nc = await nats.connect(self.servers, name=self.name, allow_reconnect=True, max_reconnect_attempts=-1,
                                 reconnect_time_wait=0.25, connect_timeout=1, ping_interval=2,
                                 max_outstanding_pings=2, disconnected_cb=disconnected,
-                                reconnected_cb=reconnected, error_cb=error)
+                                reconnected_cb=reconnected, error_cb=error, **self.auth)
         self.nc = nc
         for subject, handler in self._subs:
             await nc.subscribe(subject, cb=handler)

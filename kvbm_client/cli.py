@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import grpc
 
 from .config import KvbmConfig, add_config_arguments, config_from_args, config_to_env
-from .contract import GRPC_OPTIONS, pb, rpc
+from .channels import open_channel
+from .contract import pb, rpc
 from .errors import KvbmConfigError
 from .ids import Tier
 
@@ -101,15 +102,15 @@ class Supervisor:
                     child.proc.wait()
 
 
-def _status(address: str, timeout: float = 5.0) -> "pb.StatusResponse":
-    with grpc.insecure_channel(address, options=GRPC_OPTIONS) as channel:
+def _status(address: str, timeout: float = 5.0, config: KvbmConfig | None = None) -> "pb.StatusResponse":
+    with open_channel(address, config or KvbmConfig.from_env()) as channel:
         return rpc.LeaderStub(channel).Status(pb.StatusRequest(), timeout=timeout)
 
 
 def _alloc_progress(worker: "pb.WorkerInfo") -> float:
     """A worker that is allocating knows its progress before the leader does: ask it."""
     try:
-        with grpc.insecure_channel(worker.endpoint, options=GRPC_OPTIONS) as channel:
+        with open_channel(worker.endpoint, KvbmConfig.from_env()) as channel:
             return rpc.WorkerStub(channel).Status(pb.WorkerStatusRequest(), timeout=1.0).info.alloc_progress
     except grpc.RpcError:
         return worker.alloc_progress
@@ -147,7 +148,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             sup.poll()
             if not announced:
                 try:
-                    status = _status(address, 1.0)
+                    status = _status(address, 1.0, config)
                     if len(status.workers) == expected_workers:
                         announced = True
                         metrics = (f"http://{config.metrics_addr}:{config.metrics_port}/metrics"
@@ -179,7 +180,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     address = args.leader or config.resolved_leader_address
     try:
-        status = _status(address)
+        status = _status(address, config=config)
+    except KvbmConfigError as exc:
+        print(f"kvbm status: {exc}", file=sys.stderr)
+        return 2
     except grpc.RpcError as exc:
         print(f"kvbm status: leader at {address} unreachable ({exc.code().name}: {exc.details()})",
               file=sys.stderr)

@@ -18,7 +18,8 @@ from typing import Any, Coroutine, Sequence, TypeVar
 import grpc
 
 from .config import KvbmConfig
-from .contract import GRPC_OPTIONS, pb, rpc
+from .channels import open_aio_channel
+from .contract import MatchResult, pb, rpc
 from .errors import KvbmRequestError, KvbmTimeoutError, KvbmUnavailableError, from_rpc_error
 from .ids import BlockHash, JobId, PlanKind, Tier
 from .regions import RegionSpec
@@ -26,12 +27,6 @@ from .regions import RegionSpec
 log = logging.getLogger("kvbm.client")
 T = TypeVar("T")
 CONTROL_TIMEOUT = 10.0
-
-
-@dataclass(frozen=True)
-class MatchResult:
-    num_matched: int
-    tiers: tuple[Tier, ...]
 
 
 @dataclass
@@ -123,7 +118,7 @@ class AsyncKvbmClient:
         if self._discover:
             from .discovery import lookup_leader  # lazy: needs aetcd
             self.leader_address = (await lookup_leader(self.config, timeout))["endpoint"]
-        self._channel = grpc.aio.insecure_channel(self.leader_address, options=GRPC_OPTIONS)
+        self._channel = open_aio_channel(self.leader_address, self.config)
         self._leader = rpc.LeaderStub(self._channel)
         await self._open_session(timeout)
         self._keepalive = asyncio.ensure_future(self._keepalive_loop())
@@ -191,7 +186,7 @@ class AsyncKvbmClient:
             info = self.workers.get(worker_id)
             if info is None:
                 raise KvbmRequestError(f"unknown worker {worker_id!r}; known: {', '.join(self.workers)}")
-            channel = grpc.aio.insecure_channel(info.endpoint, options=GRPC_OPTIONS)
+            channel = open_aio_channel(info.endpoint, self.config)
             self._worker_stubs[worker_id] = (channel, rpc.WorkerStub(channel))
         return self._worker_stubs[worker_id][1]
 
@@ -248,7 +243,7 @@ class AsyncKvbmClient:
                     count_hit: bool = True) -> MatchResult:
         resp = await self._leader_call("Match", pb.MatchRequest(
             session_id=self.session_id, hashes=list(hashes), count_hit=count_hit, tokens_per_block=tokens_per_block))
-        return MatchResult(resp.num_matched, tuple(Tier(t) for t in resp.tiers))
+        return MatchResult.from_response(resp)
 
     # ------------------------------------------------------------------ transfers
     async def prepare_store(self, hashes: Sequence[BlockHash],

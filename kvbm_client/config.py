@@ -15,13 +15,17 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from .errors import KvbmConfigError
+from .ids import MAX_HASH_BYTES
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
 
-def parse_bool(text: str) -> bool:
-    low = text.strip().lower()
+def parse_bool(text: str | bool) -> bool:
+    """``true/1/yes/on`` or ``false/0/no/off/""`` (any case); a bool is taken as is."""
+    if isinstance(text, bool):
+        return text
+    low = str(text).strip().lower()
     if low in _TRUE:
         return True
     if low in _FALSE:
@@ -105,6 +109,49 @@ OPTIONS: tuple[Option, ...] = (
            "TTL of the etcd leases of leaders and workers (kept alive every TTL/3).", "kvbm"),
     Option("event_buffer", "DYN_KVBM_EVENT_BUFFER", int, 10000,
            "KV events buffered for NATS before new ones are dropped (counted).", "kvbm"),
+    # ---- security (kvbm_client/security.py; README "Threat model") ----
+    Option("node_key_file", "DYN_KVBM_NODE_KEY_FILE", str, None,
+           "The node key (0600, created by the leader, read by workers): signs plans and command "
+           "acknowledgements and authenticates daemons to each other [default: <socket dir>/node.key].",
+           "kvbm"),
+    Option("client_token_file", "DYN_KVBM_CLIENT_TOKEN_FILE", str, None,
+           "Bearer tokens (one per line) that clients must present on TCP; clients send the first "
+           "[default: none; required to listen on TCP unless DYN_KVBM_INSECURE_TCP].", "kvbm"),
+    Option("tls_cert", "DYN_KVBM_TLS_CERT", str, None,
+           "PEM certificate of this daemon (TCP listeners) or client (mTLS).", "kvbm"),
+    Option("tls_key", "DYN_KVBM_TLS_KEY", str, None, "PEM private key for DYN_KVBM_TLS_CERT.", "kvbm"),
+    Option("tls_ca", "DYN_KVBM_TLS_CA", str, None,
+           "PEM CA bundle: clients verify servers with it; servers with it require client "
+           "certificates (mTLS).", "kvbm"),
+    Option("insecure_tcp", "DYN_KVBM_INSECURE_TCP", parse_bool, False,
+           "Allow TCP without TLS and tokens (testing only; logged as a warning).", "kvbm"),
+    Option("nats_creds", "DYN_KVBM_NATS_CREDS", str, None,
+           "NATS credentials file (JWT + nkey seed) for the leader and workers.", "kvbm"),
+    Option("nats_nkey_seed", "DYN_KVBM_NATS_NKEY_SEED", str, None, "NATS nkey seed file.", "kvbm"),
+    Option("nats_tls_ca", "DYN_KVBM_NATS_TLS_CA", str, None,
+           "PEM CA bundle to verify a TLS NATS server (tls:// URLs).", "kvbm"),
+    # ---- limits ----
+    Option("max_sessions", "DYN_KVBM_MAX_SESSIONS", int, 1024,
+           "Open client sessions the leader keeps at most (new ones are refused beyond).", "kvbm"),
+    Option("max_session_ttl_secs", "DYN_KVBM_MAX_SESSION_TTL_SECS", float, 120.0,
+           "Longest session TTL a client may ask for (longer requests are clamped).", "kvbm"),
+    Option("max_queued_jobs", "DYN_KVBM_MAX_QUEUED_JOBS", int, 64,
+           "Transfer jobs a worker queues per lane before it answers RESOURCE_EXHAUSTED.", "kvbm"),
+    Option("max_name_bytes", "DYN_KVBM_MAX_NAME_BYTES", int, 256,
+           "Longest client, engine, worker or session name accepted.", "kvbm"),
+    Option("max_region_pages", "DYN_KVBM_MAX_REGION_PAGES", int, 8192,
+           "Most (layer, K or V) page placements one engine region may describe.", "kvbm"),
+    Option("max_region_buffers", "DYN_KVBM_MAX_REGION_BUFFERS", int, 64,
+           "Most buffers (memfds or CUDA allocations) one engine region may map.", "kvbm"),
+    # ---- integrity and persistence ----
+    Option("disk_io_timeout_secs", "DYN_KVBM_DISK_IO_TIMEOUT_SECS", float, 10.0,
+           "A G3 read or write slower than this fails its job (a hung disk never freezes a lane).",
+           "kvbm"),
+    Option("host_checksums", "DYN_KVBM_HOST_CHECKSUMS", parse_bool, False,
+           "Also checksum G2 blocks and verify them on every load (G3 blocks always are).", "kvbm"),
+    Option("disk_persist", "DYN_KVBM_DISK_PERSIST", parse_bool, False,
+           "Keep G3 files and their index across restarts (default off: files removed on a clean "
+           "stop, as Dynamo does).", "kvbm"),
 )
 
 _BY_FIELD = {o.field: o for o in OPTIONS}
@@ -139,6 +186,24 @@ class KvbmConfig:
     node_name: str | None = None
     etcd_lease_ttl_secs: int = 10
     event_buffer: int = 10000
+    node_key_file: str | None = None
+    client_token_file: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    insecure_tcp: bool = False
+    nats_creds: str | None = None
+    nats_nkey_seed: str | None = None
+    nats_tls_ca: str | None = None
+    max_sessions: int = 1024
+    max_session_ttl_secs: float = 120.0
+    max_queued_jobs: int = 64
+    max_name_bytes: int = 256
+    max_region_pages: int = 8192
+    max_region_buffers: int = 64
+    disk_io_timeout_secs: float = 10.0
+    host_checksums: bool = False
+    disk_persist: bool = False
 
     # ---- derived -------------------------------------------------------------------
     @property
@@ -167,6 +232,20 @@ class KvbmConfig:
 
     def worker_address(self, worker_id: str) -> str:
         return "unix:" + os.path.join(self.resolved_socket_dir, f"worker-{worker_id}.sock")
+
+    def region_socket(self, worker_id: str) -> str:
+        """Path of the unix socket where engines hand their KV memory to worker ``worker_id``."""
+        return os.path.join(self.resolved_socket_dir, f"worker-{worker_id}.regions.sock")
+
+    @property
+    def resolved_node_key_file(self) -> str:
+        return self.node_key_file or os.path.join(self.resolved_socket_dir, "node.key")
+
+    @property
+    def max_message_bytes(self) -> int:
+        """Largest gRPC message any side accepts: a request of ``max_hashes`` hashes and as many
+        parent hashes (plus their framing), and 1 MiB for everything else."""
+        return self.max_hashes * 2 * (MAX_HASH_BYTES + 3) + (1 << 20)
 
     # ---- construction --------------------------------------------------------------
     @classmethod
@@ -198,11 +277,17 @@ class KvbmConfig:
         if not 0 < self.metrics_port < 65536:
             raise KvbmConfigError(f"DYN_KVBM_METRICS_PORT out of range: {self.metrics_port}")
         for name in ("max_hashes", "job_timeout_secs", "session_ttl_secs", "disk_filter_max_entries",
-                     "disk_filter_decay_secs"):
+                     "disk_filter_decay_secs", "max_sessions", "max_session_ttl_secs", "max_queued_jobs",
+                     "max_name_bytes", "max_region_pages", "max_region_buffers", "disk_io_timeout_secs"):
             if not getattr(self, name) > 0:
                 raise KvbmConfigError(f"{_BY_FIELD[name].env} must be positive, got {getattr(self, name)}")
         if not 0 <= self.host_free_watermark < 1:
             raise KvbmConfigError("DYN_KVBM_HOST_FREE_WATERMARK must be in [0, 1)")
+        if self.session_ttl_secs > self.max_session_ttl_secs:
+            raise KvbmConfigError(f"DYN_KVBM_SESSION_TTL_SECS ({self.session_ttl_secs:g}) exceeds "
+                                  f"DYN_KVBM_MAX_SESSION_TTL_SECS ({self.max_session_ttl_secs:g})")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise KvbmConfigError("DYN_KVBM_TLS_CERT and DYN_KVBM_TLS_KEY go together")
         if self.etcd_lease_ttl_secs < 2 or self.event_buffer < 1:
             raise KvbmConfigError("DYN_KVBM_ETCD_LEASE_TTL_SECS must be >= 2 and DYN_KVBM_EVENT_BUFFER >= 1")
 
@@ -227,8 +312,9 @@ def add_config_arguments(parser: argparse.ArgumentParser, fields: tuple[str, ...
 
 
 def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> KvbmConfig:
-    """Environment first, then any flag given on the command line."""
-    overrides: dict[str, Any] = {}
+    """Environment first, then any flag given on the command line (``--insecure``, where a
+    daemon has it, is a shorthand for ``--insecure-tcp true``)."""
+    overrides: dict[str, Any] = {"insecure_tcp": True} if getattr(args, "insecure", False) else {}
     for opt in OPTIONS:
         raw = getattr(args, opt.field, None)
         if raw is None:

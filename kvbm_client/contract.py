@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from dataclasses import dataclass
 
 from ._gen.kvbm.v1 import kvbm_pb2 as pb
 from ._gen.kvbm.v1 import kvbm_pb2_grpc as rpc
 from .ids import PlanKind, Tier
 
-__all__ = ["pb", "rpc", "sign_plan", "verify_plan", "GRPC_OPTIONS"]
+__all__ = ["pb", "rpc", "sign_plan", "verify_plan", "GRPC_OPTIONS", "MatchResult"]
 
 #: Channel/server options shared by every side: large batches fit, dead peers are noticed.
 GRPC_OPTIONS = [
@@ -32,6 +33,19 @@ GRPC_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
+
+
+@dataclass(frozen=True, slots=True)
+class MatchResult:
+    """The answer of a lookup: the longest present prefix and the tier of each of its blocks
+    (G2 preferred over G3). The leader's placement computes it; ``Match`` carries it."""
+
+    num_matched: int
+    tiers: tuple[Tier, ...]
+
+    @classmethod
+    def from_response(cls, resp: "pb.MatchResponse") -> "MatchResult":
+        return cls(resp.num_matched, tuple(Tier(t) for t in resp.tiers))
 
 
 def sign_plan(plan: "pb.TransferPlan", secret: bytes) -> "pb.SignedPlan":

@@ -1,9 +1,17 @@
-"""Where the daemons listen: unix sockets (mode 0600 in a 0700 directory) by default,
-TCP when an address is given as host:port."""
+"""Where the daemons listen: unix sockets (mode 0600 in a private 0700 directory) by default,
+TCP when an address is given as host:port.
+
+Runs in every role. The socket directory is checked the way ssh-agent checks its own: it
+must be a real directory (not a symlink), owned by us, with no permission for group or
+others. A directory that fails the check is never used, by the daemons (which would expose
+their sockets) or by clients (which would talk to whoever planted it).
+"""
 from __future__ import annotations
 
 import os
 import stat
+
+from .errors import KvbmConfigError
 
 
 def is_unix(address: str) -> bool:
@@ -15,13 +23,37 @@ def unix_path(address: str) -> str:
     return path[2:] if path.startswith("//") else path
 
 
+def check_socket_dir(directory: str) -> None:
+    """Raise :class:`KvbmConfigError` unless ``directory`` is ours and private."""
+    try:
+        st = os.lstat(directory)
+    except FileNotFoundError:
+        raise KvbmConfigError(f"socket directory {directory} does not exist (is the kvbm node running?)") from None
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise KvbmConfigError(f"socket directory {directory} is not a directory (a symlink?); refusing to use it")
+    if st.st_uid != os.geteuid():
+        raise KvbmConfigError(f"socket directory {directory} belongs to uid {st.st_uid}, not to us "
+                              f"(uid {os.geteuid()}); refusing to use it (remove it, or set DYN_KVBM_SOCKET_DIR)")
+    if st.st_mode & 0o077:
+        raise KvbmConfigError(f"socket directory {directory} has mode {stat.S_IMODE(st.st_mode):o}; it must be "
+                              f"0700 (chmod 700 {directory}); refusing to use it")
+
+
+def ensure_socket_dir(directory: str) -> None:
+    """Create ``directory`` (0700) if missing, then :func:`check_socket_dir` it."""
+    try:
+        os.makedirs(directory, mode=0o700)
+    except FileExistsError:
+        pass
+    check_socket_dir(directory)
+
+
 def prepare_unix_socket(address: str) -> str:
-    """Create the socket's directory (0700) and remove a stale socket file; returns the path."""
+    """Create or check the socket's directory and remove a stale socket file; returns the path."""
     path = unix_path(address)
-    directory = os.path.dirname(path) or "."
-    os.makedirs(directory, mode=0o700, exist_ok=True)
-    if os.path.exists(path):
-        if not stat.S_ISSOCK(os.stat(path).st_mode):
+    ensure_socket_dir(os.path.dirname(path) or ".")
+    if os.path.lexists(path):
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
             raise FileExistsError(f"{path} exists and is not a socket")
         os.unlink(path)
     return path

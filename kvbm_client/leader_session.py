@@ -20,7 +20,9 @@ from collections.abc import Sequence
 import grpc
 
 from .client import TransferHandle, load_handle, session_lost, store_handle
-from .contract import GRPC_OPTIONS, pb, rpc
+from .channels import open_channel
+from .config import KvbmConfig
+from .contract import pb, rpc
 from .errors import KvbmError, KvbmUnavailableError, from_rpc_error
 from .ids import BlockHash
 
@@ -34,13 +36,14 @@ class LeaderSession:
     the leader cannot be reached within ``timeout``).
     """
 
-    def __init__(self, address: str, client_name: str = "kvbm-scheduler", timeout: float = 2.0) -> None:
+    def __init__(self, address: str, client_name: str = "kvbm-scheduler", timeout: float = 2.0,
+                 config: KvbmConfig | None = None) -> None:
         self.address = address
         self.client_name = client_name
         self.timeout = timeout
         self.session_id = ""
         self.ttl_s = 10.0
-        self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self._channel = open_channel(address, config or KvbmConfig.from_env())
         self._stub = rpc.LeaderStub(self._channel)
         self._stop = threading.Event()
         try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from kvbm_client.bus import NatsBus, events_subject
+from kvbm_client.bus import NatsBus, events_subject, nats_auth
 from kvbm_client.config import KvbmConfig
 from kvbm_client.discovery import EtcdRegistration, describe_self, leader_key
 
@@ -54,7 +54,7 @@ class LeaderCluster:
             log.info("registered in etcd %s as %s (lease TTL %ds)", cfg.etcd_endpoints, leader_key(self.node),
                      cfg.etcd_lease_ttl_secs)
         if cfg.nats_server:
-            self.bus = NatsBus(cfg.nats_server, f"kvbm-leader-{self.node}")
+            self.bus = NatsBus(cfg.nats_server, f"kvbm-leader-{self.node}", nats_auth(cfg))
             await self.bus.start()
             old = self.service.commands
             self.service.commands = create_commands("nats", bus=self.bus, node=self.node)

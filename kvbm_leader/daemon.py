@@ -16,10 +16,11 @@ import time
 import grpc
 
 from kvbm_client.config import KvbmConfig, add_config_arguments, config_from_args
-from kvbm_client.contract import GRPC_OPTIONS, rpc
-from kvbm_client.endpoints import (is_unix, prepare_unix_socket, remove_unix_socket,
-                                   secure_unix_socket)
+from kvbm_client.contract import rpc
+from kvbm_client.endpoints import ensure_socket_dir, remove_unix_socket
 from kvbm_client.errors import KvbmConfigError
+from kvbm_client.security import create_node_key
+from kvbm_client.serving import make_server, start_server
 from kvbm_client.ids import WorkerId
 from kvbm_client.logs import setup_logging
 
@@ -36,7 +37,10 @@ class LeaderDaemon:
     def __init__(self, config: KvbmConfig, workers: list[WorkerId], address: str | None = None) -> None:
         self.config = config
         self.address = address or config.resolved_leader_address
-        self.service = LeaderService(config, workers)
+        if config.node_key_file is None:  # the default key lives in the (checked) socket dir
+            ensure_socket_dir(config.resolved_socket_dir)
+        self.node_key = create_node_key(config.resolved_node_key_file)
+        self.service = LeaderService(config, workers, self.node_key)
         self._server: grpc.aio.Server | None = None
         self.cluster = LeaderCluster(config, self.service, self.address)  # etcd / NATS, when configured
         self._ticker: asyncio.Task | None = None
@@ -47,14 +51,9 @@ class LeaderDaemon:
         if self._started:
             raise RuntimeError("LeaderDaemon.start() called twice")
         self._started = True
-        self._server = grpc.aio.server(options=GRPC_OPTIONS)
+        self._server = make_server(self.config, self.address, self.node_key)
         rpc.add_LeaderServicer_to_server(self.service, self._server)
-        if is_unix(self.address):
-            prepare_unix_socket(self.address)
-        self._server.add_insecure_port(self.address)
-        await self._server.start()
-        if is_unix(self.address):
-            secure_unix_socket(self.address)
+        await start_server(self._server, self.address, self.config)
         if self.config.metrics:
             self.service.metrics.serve(self.config.metrics_port, self.config.metrics_addr)
             log.info("metrics on http://%s:%d/metrics", self.config.metrics_addr, self.config.metrics_port)
@@ -99,15 +98,18 @@ class LeaderDaemon:
         log.info("leader stopped")
 
 
-async def run(config: KvbmConfig, workers: list[WorkerId], address: str | None) -> int:
-    daemon = LeaderDaemon(config, workers, address)
+async def run(daemon: LeaderDaemon) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     code = 0
     try:
-        await daemon.start()
+        try:
+            await daemon.start()
+        except KvbmConfigError as exc:  # e.g. TCP without TLS, a socket dir that is not ours
+            log.error("%s", exc)
+            return 2
         barrier = asyncio.ensure_future(daemon.wait_for_workers())
         stopper = asyncio.ensure_future(stop.wait())
         await asyncio.wait({barrier, stopper}, return_when=asyncio.FIRST_COMPLETED)
@@ -135,8 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workers", default=None,
                         help="comma-separated worker ids expected instead of 0..N-1")
     parser.add_argument("--listen", default=None,
-                        help="gRPC address: unix:/path or host:port (TCP is opt-in) "
+                        help="gRPC address: unix:/path or host:port (TCP needs TLS and client tokens, see "
+                             "DYN_KVBM_TLS_* and DYN_KVBM_CLIENT_TOKEN_FILE) "
                              "[default: DYN_KVBM_LEADER_ADDRESS or <socket dir>/leader.sock]")
+    parser.add_argument("--insecure", action="store_true",
+                        help="allow --listen on TCP without TLS and client authentication (test setups only; "
+                             "logged as a warning) [env DYN_KVBM_INSECURE_TCP]")
     add_config_arguments(parser)
     return parser
 
@@ -144,19 +150,20 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging("kvbm-leader")
-    try:
-        config = config_from_args(args)
-        config.require_tier()
-    except KvbmConfigError as exc:
-        print(f"kvbm-leader: {exc}", file=sys.stderr)
-        return 2
     workers = [WorkerId(w) for w in args.workers.split(",")] if args.workers else \
         [WorkerId(str(i)) for i in range(args.num_workers)]
     try:
+        config = config_from_args(args)
+        config.require_tier()
+        daemon = LeaderDaemon(config, workers, args.listen)
+    except KvbmConfigError as exc:
+        print(f"kvbm-leader: {exc}", file=sys.stderr)
+        return 2
+    try:
         import uvloop
-        return uvloop.run(run(config, workers, args.listen))
+        return uvloop.run(run(daemon))
     except ImportError:  # pragma: no cover - uvloop is a dependency
-        return asyncio.run(run(config, workers, args.listen))
+        return asyncio.run(run(daemon))
 
 
 if __name__ == "__main__":

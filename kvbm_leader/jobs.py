@@ -7,6 +7,10 @@ session released it, or it expired (roll back).
 NOTE: a rolled-back job's slots stay reserved until ``expires`` (deadline + grace): a worker
 may have started the copy just before the deadline, and a slot handed to another block while
 that copy still writes it would serve wrong bytes. Workers refuse to start after ``deadline``.
+
+A worker moves no byte of a job before :meth:`JobTable.start` said yes (``StartTransfer``):
+so a plan replayed after its job was released, expired or settled is refused, and a job
+that a worker started is never rolled back before that worker reported or the job expired.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ class Job:
     expires: float
     expected: frozenset[WorkerId]
     reported: set[WorkerId] = field(default_factory=set)
+    started: set[WorkerId] = field(default_factory=set)  # workers told to go (StartTransfer)
     failed: bool = False
     error: str = ""
 
@@ -50,6 +55,20 @@ class Job:
     @property
     def all_reported(self) -> bool:
         return self.expected <= self.reported
+
+    @property
+    def may_be_copying(self) -> bool:
+        """A worker was told to start and has not reported: its copy may still run."""
+        return bool(self.started - self.reported)
+
+
+class StartRefused(enum.Enum):
+    """Why a worker may not start a job (``StartTransfer``)."""
+
+    NOT_LIVE = "not live (settled, expired, released, or never issued)"
+    FAILED = "failed"
+    LATE = "past its deadline"
+    NOT_EXPECTED = "not addressed to this worker"
 
 
 class JobTable:
@@ -87,6 +106,20 @@ class JobTable:
         job.reported.add(worker)
         if not ok and not job.failed:
             job.failed, job.error = True, error or f"worker {worker} failed"
+        return job
+
+    def start(self, job_id: JobId, worker: WorkerId, now: float) -> Job | StartRefused:
+        """Let ``worker`` start copying ``job_id``, or say why not (nothing changes then)."""
+        job = self._jobs.get(job_id)
+        if job is None:
+            return StartRefused.NOT_LIVE
+        if worker not in job.expected:
+            return StartRefused.NOT_EXPECTED
+        if job.failed:
+            return StartRefused.FAILED
+        if now >= job.deadline:
+            return StartRefused.LATE
+        job.started.add(worker)
         return job
 
     def fail(self, job_id: JobId, error: str) -> Job | None:

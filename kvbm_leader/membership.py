@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from kvbm_client.config import KvbmConfig
 from kvbm_client.ids import WorkerId
+from kvbm_client.sizing import slot_bytes, tier_slots
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +106,8 @@ class Membership:
         return changed or self.plan is None
 
     def block_bytes(self) -> int:
-        return sum(self.workers[w].layout.block_bytes for w in self.members)  # type: ignore[union-attr]
+        """Bytes one logical block takes in the pools: every worker's slot, alignment included."""
+        return sum(slot_bytes(self.workers[w].layout.block_bytes) for w in self.members)  # type: ignore[union-attr]
 
     def replan(self) -> PoolPlan | None:
         """A new plan once every expected worker has a layout, else None."""
@@ -114,16 +116,10 @@ class Membership:
             return None
         total = self.block_bytes()
         cfg = self.config
-
-        def slots(override: int | None, gb: float | None) -> int:
-            if override:
-                return int(override)
-            return int(gb * 1e9 // total) if gb else 0
-
         self.epoch += 1
         self.plan = PoolPlan(self.epoch,
-                             slots(cfg.cpu_cache_override_num_blocks, cfg.cpu_cache_gb),
-                             slots(cfg.disk_cache_override_num_blocks, cfg.disk_cache_gb))
+                             tier_slots(cfg.cpu_cache_override_num_blocks, cfg.cpu_cache_gb, total),
+                             tier_slots(cfg.disk_cache_override_num_blocks, cfg.disk_cache_gb, total))
         for record in self.workers.values():
             record.alloc_progress = 0.0
         return self.plan

@@ -19,16 +19,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvbm_client.contract import MatchResult
 from kvbm_client.ids import BlockHash, JobId, PlanKind, SlotId, Tier
 
 from .policies.frequency import FrequencyFilter
 from .registry import BlockEntry, BlockRegistry
-
-
-@dataclass(frozen=True, slots=True)
-class MatchResult:
-    num_matched: int
-    tiers: tuple[Tier, ...]
 
 
 @dataclass(frozen=True, slots=True)

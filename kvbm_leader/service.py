@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 import uuid
 from typing import Awaitable
@@ -15,15 +14,16 @@ from typing import Awaitable
 import grpc
 
 from kvbm_client.config import KvbmConfig
-from kvbm_client.contract import pb, rpc, sign_plan
+from kvbm_client.contract import MatchResult, pb, rpc, sign_plan
 from kvbm_client.ids import MAX_HASH_BYTES, BlockHash, JobId, PlanKind, SessionId, Tier, WorkerId
+from kvbm_client.security import NodeKey, ack_is_authentic
 
 from .commands import create as create_commands
 from .events import NullEvents
-from .jobs import Job, JobState, JobTable
+from .jobs import Job, JobState, JobTable, StartRefused
 from .membership import Layout, Membership, WorkerRecord
 from .metrics import LeaderMetrics
-from .placement import JobPlan, MatchResult, Outcome, TierManager
+from .placement import JobPlan, Outcome, TierManager
 from .policies.frequency import FrequencyFilter
 from .sessions import SessionTable
 
@@ -38,10 +38,11 @@ def _short(keys: list[BlockHash], n: int = 3) -> str:
 class LeaderService(rpc.LeaderServicer):
     """Owns the node's block metadata; see the module docstring of :mod:`.placement`."""
 
-    def __init__(self, config: KvbmConfig, expected_workers: list[WorkerId]) -> None:
+    def __init__(self, config: KvbmConfig, expected_workers: list[WorkerId], node_key: NodeKey) -> None:
         self.config = config
         self.leader_id = f"leader-{uuid.uuid4().hex[:12]}"
-        self.secret = secrets.token_bytes(32)
+        self.node_key = node_key
+        self.secret = node_key.plan_key(self.leader_id)  # workers derive the same key; none travels
         self.membership = Membership(config, expected_workers)
         self.frequency = FrequencyFilter(config.disk_filter_max_entries,
                                          enabled=not config.disable_disk_offload_filter)
@@ -51,7 +52,8 @@ class LeaderService(rpc.LeaderServicer):
         self.metrics = LeaderMetrics(self._pool_usage)
         self.closing = False
         self._events: dict[WorkerId, asyncio.Queue] = {}
-        self.commands = create_commands("grpc")  # kvbm_leader/cluster.py swaps in NATS when configured
+        # kvbm_leader/cluster.py swaps in NATS when configured
+        self.commands = create_commands("grpc", config=config, node_key=node_key)
         self.events = NullEvents()  # KV events for routers; a KvEventPublisher with NATS
         self._attached = asyncio.Event()
         self._background: set[asyncio.Task] = set()
@@ -259,9 +261,10 @@ class LeaderService(rpc.LeaderServicer):
         return pb.ReleaseResponse()
 
     def _release(self, job: Job, why: str) -> None:
-        # A load that never started only needs its pins back; slots written by a store (or a
-        # demotion) stay reserved until the job expires, in case a worker is still writing.
-        if job.plan.kind is PlanKind.LOAD and not job.reported:
+        # A load no worker was told to start only needs its pins back; slots a worker may still
+        # read or write (a started job, a store, a demotion) stay reserved until every started
+        # worker reported or the job expires.
+        if job.plan.kind is PlanKind.LOAD and not job.reported and not job.started:
             self._settle(job, False, why)
         else:
             self.jobs.fail(job.job_id, why)
@@ -288,7 +291,7 @@ class LeaderService(rpc.LeaderServicer):
         if self.membership.all_attached:
             self._attached.set()
         try:
-            yield pb.LeaderEvent(welcome=pb.Welcome(leader_id=self.leader_id, secret=self.secret,
+            yield pb.LeaderEvent(welcome=pb.Welcome(leader_id=self.leader_id,
                                                     job_timeout_s=self.config.job_timeout_secs))
             while True:
                 event = await queue.get()
@@ -366,6 +369,23 @@ class LeaderService(rpc.LeaderServicer):
         log.info("worker %s pools ready (epoch %d)%s", record.worker_id, plan.epoch,
                  "; node ready" if self.membership.ready else "")
         return pb.PoolsReadyResponse()
+
+    async def StartTransfer(self, request, context):
+        """A worker asks before it moves the first byte of a job (see :mod:`.jobs`)."""
+        await self._guard(context)
+        record = await self._worker(request.worker_id, context)
+        plan = self.membership.plan
+        if plan is None or request.epoch != plan.epoch:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"job {request.job_id} is of pool epoch {request.epoch}; pools are at "
+                                f"{plan.epoch if plan else 'none'}")
+        job = self.jobs.start(JobId(request.job_id), record.worker_id, time.monotonic())
+        if isinstance(job, StartRefused):
+            log.warning("worker %s may not start job %d: %s", record.worker_id, request.job_id, job.value)
+            code = grpc.StatusCode.DEADLINE_EXCEEDED if job is StartRefused.LATE else \
+                grpc.StatusCode.FAILED_PRECONDITION
+            await context.abort(code, f"job {request.job_id} is {job.value}; move nothing")
+        return pb.StartTransferResponse(deadline=job.deadline)
 
     async def CompleteTransfer(self, request, context):
         record = await self._worker(request.worker_id, context)
@@ -448,6 +468,13 @@ class LeaderService(rpc.LeaderServicer):
         if record is None:
             return
         ack = await self.commands.send(record, pb.CommandRequest(plan=signed), self.config.job_timeout_secs)
+        if ack.response is not None and not ack_is_authentic(self.node_key, ack.response, worker_id, job.job_id):
+            # Not the worker's word (forged, or for another job): the copy may still run, so the
+            # job expires instead (its slots stay reserved until then).
+            self.metrics.inc("kvbm_commands_undelivered")
+            log.error("command job=%d: acknowledgement over %s not signed by worker %s; ignored", job.job_id,
+                      self.commands.name, worker_id)
+            return
         if ack.delivered:
             self._report(job.job_id, worker_id, ack.ok, ack.error)
         else:  # the worker may still be copying: the job expires (and frees its slots) later

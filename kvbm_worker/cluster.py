@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from kvbm_client.bus import NatsBus
+from kvbm_client.bus import NatsBus, nats_auth
 from kvbm_client.config import KvbmConfig
 from kvbm_client.discovery import EtcdRegistration, describe_self, lookup_leader, worker_key
 
@@ -44,7 +44,7 @@ class WorkerCluster:
                                               node=self.node, endpoint=self.address))
             log.info("registered in etcd as %s", worker_key(self.node, self.service.worker_id))
         if cfg.nats_server:
-            self.bus = NatsBus(cfg.nats_server, f"kvbm-worker-{self.node}-{self.service.worker_id}")
+            self.bus = NatsBus(cfg.nats_server, f"kvbm-worker-{self.node}-{self.service.worker_id}", nats_auth(cfg))
             self.commands = NatsCommandServer(self.bus, self.node, self.service)
             await self.commands.start()
             await self.bus.start()

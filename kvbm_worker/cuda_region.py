@@ -3,7 +3,7 @@
 Runs in the worker daemon (``kvbm-worker --gpu N``). The engine exports each allocation that
 holds KV pages (``kvbm_client.cuda_export``); the worker opens each distinct handle once with
 ``cudaIpcOpenMemHandle`` and addresses page (layer, block) at
-``buffer + layer.offset + block * layer.stride`` exactly like a CPU region, so every bound
+``buffer + layer.offset_bytes + block * layer.block_stride_bytes`` exactly like a CPU region, so every bound
 check of :class:`~kvbm_worker.regions.EngineRegion` holds unchanged.
 
 Everything CUDA is imported lazily: this module imports on a machine without CUDA.
@@ -16,8 +16,9 @@ import uuid
 import numpy as np
 
 from kvbm_client.contract import pb
+from kvbm_client.regions import LayerSpec
 
-from .regions import EngineRegion, LayerSpec, RegionError
+from .regions import EngineRegion, RegionError
 
 log = logging.getLogger("kvbm.worker")
 
@@ -107,8 +108,8 @@ class CudaEngineRegion(EngineRegion):
         return self
 
     def _index(self) -> None:
-        self.layer_base = np.array([self.buffer_ptrs[ls.buffer_index] + ls.offset for ls in self.layers], np.int64)
-        self.layer_stride = np.array([ls.stride for ls in self.layers], np.int64)
+        self.layer_base = np.array([self.buffer_ptrs[ls.buffer_index] + ls.offset_bytes for ls in self.layers], np.int64)
+        self.layer_stride = np.array([ls.block_stride_bytes for ls in self.layers], np.int64)
         self.layer_views = []  # no host views: the CPU handler must never touch this region
 
     def page_addresses(self, blocks: np.ndarray) -> np.ndarray:

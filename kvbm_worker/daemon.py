@@ -18,9 +18,12 @@ import time
 import grpc
 
 from kvbm_client.config import KvbmConfig, add_config_arguments, config_from_args
-from kvbm_client.contract import GRPC_OPTIONS, pb, rpc
-from kvbm_client.endpoints import is_unix, prepare_unix_socket, remove_unix_socket, secure_unix_socket
+from kvbm_client.channels import open_aio_channel
+from kvbm_client.contract import pb, rpc
+from kvbm_client.endpoints import remove_unix_socket
 from kvbm_client.errors import KvbmConfigError
+from kvbm_client.security import NodeKey, wait_node_key
+from kvbm_client.serving import make_server, start_server
 from kvbm_client.logs import log_loop_stalls, setup_logging
 
 from .cluster import WorkerCluster
@@ -45,8 +48,9 @@ class WorkerDaemon:
         self.leader_address = leader_address or config.resolved_leader_address
         self.prefer_nixl = prefer_nixl
         self.gpu, self.cuda_copy = gpu, cuda_copy  # GPU data path (handlers/cuda.py) when gpu is set
-        self.service = WorkerService(worker_id, rank, self._report)
+        self.service = WorkerService(worker_id, rank, self._report, self._start_job)
         self.service._on_layout = self._send_layout
+        self.node_key: NodeKey | None = None  # read at start (the leader creates it)
         # etcd / NATS when configured; the leader is found through etcd unless given explicitly
         self.cluster = WorkerCluster(config, self.service, self.address,
                                      discover_leader=leader_address is None and config.leader_address is None)
@@ -65,21 +69,19 @@ class WorkerDaemon:
         if self._started:
             raise RuntimeError("WorkerDaemon.start() called twice")
         self._started = True
+        self.node_key = await wait_node_key(self.config.resolved_node_key_file,
+                                            self.config.leader_worker_init_timeout_secs)
+        self.service.node_key = self.node_key
         if self.gpu is not None:  # CUDA context before serving, off the loop; lazy import (CPU CI)
             from .handlers.cuda import init_device, open_region
             name = await asyncio.get_running_loop().run_in_executor(None, init_device, self.gpu)
             self.service.region_factory = functools.partial(open_region, device=self.gpu)
             log.info("GPU data path on cuda:%d (%s), copy mechanism %s", self.gpu, name, self.cuda_copy)
-        self._server = grpc.aio.server(options=GRPC_OPTIONS)
+        self._server = make_server(self.config, self.address, self.node_key)
         rpc.add_WorkerServicer_to_server(self.service, self._server)
-        if is_unix(self.address):
-            prepare_unix_socket(self.address)
-        self._server.add_insecure_port(self.address)
-        await self._server.start()
-        if is_unix(self.address):
-            secure_unix_socket(self.address)
+        await start_server(self._server, self.address, self.config)
         await self.cluster.start()
-        self._channel = grpc.aio.insecure_channel(self.leader_address, options=GRPC_OPTIONS)
+        self._channel = open_aio_channel(self.leader_address, self.config, daemon_token=self.node_key.daemon_token)
         self._leader = rpc.LeaderStub(self._channel)
         self._attach_task = asyncio.ensure_future(self._attach_loop())
         if log.isEnabledFor(logging.DEBUG):  # DYN_LOG=debug: say when the loop could not answer
@@ -156,7 +158,8 @@ class WorkerDaemon:
         if address and address != self.leader_address:
             log.info("leader of node %s found in etcd at %s", self.cluster.node, address)
             old, self.leader_address = self._channel, address
-            self._channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+            assert self.node_key is not None
+            self._channel = open_aio_channel(address, self.config, daemon_token=self.node_key.daemon_token)
             self._leader = rpc.LeaderStub(self._channel)
             if old is not None:
                 await old.close()
@@ -164,7 +167,8 @@ class WorkerDaemon:
     async def _on_event(self, event) -> None:
         which = event.WhichOneof("event")
         if which == "welcome":
-            self.service.secret = event.welcome.secret
+            assert self.node_key is not None
+            self.service.secret = self.node_key.plan_key(event.welcome.leader_id)
             self.service.leader_id = event.welcome.leader_id
             self._attached.set()
             log.info("attached to leader %s", event.welcome.leader_id)
@@ -180,6 +184,12 @@ class WorkerDaemon:
             await self._leader.SetLayout(pb.SetLayoutRequest(worker_id=self.worker_id, layout=layout), timeout=10)
         except grpc.RpcError as exc:
             log.warning("could not send the layout to the leader: %s", exc.details())
+
+    async def _start_job(self, job_id: int, epoch: int) -> None:
+        """Ask the leader whether job ``job_id`` is still live before its first byte moves;
+        raises ``grpc.RpcError`` (with the leader's status) when it is not."""
+        await self._leader.StartTransfer(pb.StartTransferRequest(worker_id=self.worker_id, job_id=job_id,
+                                                                 epoch=epoch), timeout=10)
 
     async def _report(self, job_id: int, ok: bool, error: str, moved: int, seconds: float) -> bool:
         try:
@@ -298,6 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rank", type=int, default=None, help="engine rank (TP rank) [default: the worker id]")
     parser.add_argument("--listen", default=None,
                         help="gRPC address: unix:/path or host:port [default <socket dir>/worker-ID.sock]")
+    parser.add_argument("--insecure", action="store_true",
+                        help="allow --listen on TCP without TLS and client authentication (test setups only; "
+                             "logged as a warning) [env DYN_KVBM_INSECURE_TCP]")
     parser.add_argument("--leader", default=None, help="leader address [default DYN_KVBM_LEADER_ADDRESS or "
                                                        "<socket dir>/leader.sock]")
     parser.add_argument("--cpu", action="store_true",

@@ -6,7 +6,6 @@ block, ``block_bytes`` long (every layer's page, layer by layer), at ``s * slot_
 """
 from __future__ import annotations
 
-import glob
 import logging
 import mmap
 import os
@@ -16,15 +15,14 @@ from typing import Callable
 
 import numpy as np
 
+from kvbm_client.procs import remove_stale_files
+from kvbm_client.sizing import SLOT_ALIGN, align_up, slot_bytes
+
 log = logging.getLogger("kvbm.worker")
 
-ALIGN = 4096
+ALIGN = SLOT_ALIGN
 DISK_PREFIX = "kvbm-disk-cache-"
 _ZERO_CHUNK = 16 << 20
-
-
-def align_up(n: int, a: int = ALIGN) -> int:
-    return (n + a - 1) // a * a
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +33,7 @@ class SlotGeometry:
 
     @classmethod
     def of(cls, block_bytes: int, num_slots: int) -> "SlotGeometry":
-        return cls(block_bytes, align_up(block_bytes), num_slots)
+        return cls(block_bytes, slot_bytes(block_bytes), num_slots)
 
     @property
     def total_bytes(self) -> int:
@@ -134,28 +132,6 @@ class DiskPool:
             pass
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_stale_disk_files(directory: str) -> list[str]:
-    removed = []
-    for path in glob.glob(os.path.join(directory, DISK_PREFIX + "*")):
-        try:
-            pid = int(os.path.basename(path)[len(DISK_PREFIX):].split("-", 1)[0])
-        except ValueError:
-            continue
-        if pid != os.getpid() and not _pid_alive(pid):
-            try:
-                os.unlink(path)
-                removed.append(path)
-                log.info("removed stale disk cache file %s (pid %d is gone)", path, pid)
-            except OSError:
-                pass
-    return removed
+    """G3 files of workers that died (their pid no longer runs)."""
+    return remove_stale_files(directory, DISK_PREFIX)

@@ -2,7 +2,7 @@
 (layer, block) page lives in them.
 
 Runs in the worker daemon. Page (layer, block) is ``page_bytes`` long at
-``buffers[layer.buffer_index] + layer.offset + block * layer.stride``. Registration checks
+``buffers[layer.buffer_index] + layer.offset_bytes + block * layer.block_stride_bytes``. Registration checks
 that every page of every layer lies inside its buffer, so no later transfer can address
 memory outside what the engine handed over.
 
@@ -14,22 +14,15 @@ from __future__ import annotations
 import mmap
 import os
 import uuid
-from dataclasses import dataclass
 
 import numpy as np
 
 from kvbm_client.contract import pb
+from kvbm_client.regions import LayerSpec
 
 
 class RegionError(ValueError):
     """The registration request does not describe memory the worker can safely address."""
-
-
-@dataclass(frozen=True, slots=True)
-class LayerSpec:
-    buffer_index: int
-    offset: int
-    stride: int
 
 
 class EngineRegion:
@@ -51,8 +44,8 @@ class EngineRegion:
                 self.buffers.append(self._map(i, buf))
             self._validate_bounds()
             self.layer_views = [
-                np.lib.stride_tricks.as_strided(self.buffers[ls.buffer_index][ls.offset:],
-                                                shape=(self.num_blocks, self.page_bytes), strides=(ls.stride, 1))
+                np.lib.stride_tricks.as_strided(self.buffers[ls.buffer_index][ls.offset_bytes:],
+                                                shape=(self.num_blocks, self.page_bytes), strides=(ls.block_stride_bytes, 1))
                 for ls in self.layers]
         except BaseException:
             self.close()
@@ -76,8 +69,8 @@ class EngineRegion:
         for i, ls in enumerate(self.layers):
             if ls.buffer_index >= len(request.buffers):
                 raise RegionError(f"layer {i} names buffer {ls.buffer_index}; only {len(request.buffers)} given")
-            if self.num_blocks > 1 and ls.stride < self.page_bytes:
-                raise RegionError(f"layer {i}: block stride {ls.stride} < page_bytes {self.page_bytes} "
+            if self.num_blocks > 1 and ls.block_stride_bytes < self.page_bytes:
+                raise RegionError(f"layer {i}: block stride {ls.block_stride_bytes} < page_bytes {self.page_bytes} "
                                   "(pages would overlap)")
 
     def _map(self, index: int, buf) -> np.ndarray:
@@ -103,7 +96,7 @@ class EngineRegion:
 
     def _validate_bounds(self) -> None:
         for i, ls in enumerate(self.layers):
-            end = ls.offset + (self.num_blocks - 1) * ls.stride + self.page_bytes
+            end = ls.offset_bytes + (self.num_blocks - 1) * ls.block_stride_bytes + self.page_bytes
             size = self.buffers[ls.buffer_index].nbytes
             if end > size:
                 raise RegionError(f"layer {i}: last page ends at byte {end}, buffer {ls.buffer_index} "

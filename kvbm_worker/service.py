@@ -16,6 +16,8 @@ import grpc
 import numpy as np
 
 from kvbm_client.contract import pb, rpc, verify_plan
+from kvbm_client.procs import pid_alive
+from kvbm_client.security import NodeKey, sign_ack
 from kvbm_client.ids import PlanKind, Tier
 
 from .jobs import Job, JobKey, JobTable
@@ -56,18 +58,6 @@ def _has_duplicates(values: np.ndarray) -> bool:
     return bool((ordered[1:] == ordered[:-1]).any())
 
 
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class JobFailed(Exception):
     """A transfer job's failure, as the gRPC status every caller of that job gets."""
 
@@ -79,7 +69,7 @@ class JobFailed(Exception):
 class WorkerService(rpc.WorkerServicer):
     """State of one worker: the engine region, the pools, and the leader's trust anchor."""
 
-    def __init__(self, worker_id: str, rank: int, reporter) -> None:
+    def __init__(self, worker_id: str, rank: int, reporter, starter) -> None:
         self.worker_id = worker_id
         self.rank = rank
         self.region: EngineRegion | None = None
@@ -91,6 +81,8 @@ class WorkerService(rpc.WorkerServicer):
         self.counters: dict[str, float] = {"bytes_stored": 0, "bytes_loaded": 0, "bytes_demoted": 0, "bytes_promoted": 0,
                                            "jobs_ok": 0, "jobs_failed": 0, "jobs_joined": 0}
         self._reporter = reporter  # async (job_id, ok, error, bytes, seconds) -> accepted
+        self._starter = starter  # async (job_id, epoch): the leader's go (StartTransfer), raises if not
+        self.node_key: NodeKey | None = None
         self._on_layout = None  # async callback when a region (layout) appears
         self.region_factory = EngineRegion  # request -> region; a GPU worker opens CUDA IPC buffers
         self._lanes = {"store": ThreadPoolExecutor(1, thread_name_prefix="kvbm-store"),
@@ -189,7 +181,7 @@ class WorkerService(rpc.WorkerServicer):
         await self._guard(context)
         old = self.region
         if old is not None:
-            if old.pid == request.pid or _pid_alive(old.pid):
+            if old.pid == request.pid or pid_alive(old.pid):
                 await context.abort(grpc.StatusCode.ALREADY_EXISTS,
                                     f"worker {self.worker_id} already serves engine {old.engine_id!r} "
                                     f"(pid {old.pid}, {old.region_id}); unregister it first")
@@ -268,8 +260,10 @@ class WorkerService(rpc.WorkerServicer):
                                    waited_seconds=time.perf_counter() - received, transit_seconds=transit)
 
     async def _run_job(self, plan, kind: PlanKind, batch: Batch, region: EngineRegion) -> tuple[int, float]:
-        """One transfer, whoever asked for it and whether or not they still wait: the copy,
-        the counters and the leader's report. Raises :class:`JobFailed` with the status to answer."""
+        """One transfer, whoever asked for it and whether or not they still wait: the leader's
+        go, the copy, the counters and the leader's report. Raises :class:`JobFailed` with the
+        status to answer."""
+        await self._go(plan)
         try:
             moved, seconds = await self._execute("store" if kind is PlanKind.STORE else "load", batch, region)
         except Exception as exc:
@@ -294,6 +288,22 @@ class WorkerService(rpc.WorkerServicer):
                             f"job {plan.job_id}: bytes stored but the leader did not confirm them")
         return moved, seconds
 
+    async def _go(self, plan) -> None:
+        """No byte of a job moves before the leader confirmed it is live (not released,
+        expired or settled: a replayed plan stops here)."""
+        try:
+            await self._starter(plan.job_id, plan.epoch)
+        except grpc.RpcError as exc:
+            code = exc.code() if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION,
+                                                grpc.StatusCode.DEADLINE_EXCEEDED) else grpc.StatusCode.UNAVAILABLE
+            raise JobFailed(code, f"job {plan.job_id}: the leader did not let it start: {exc.details()}") from None
+
+    def _ack(self, job_id: int, ok: bool, error: str = "") -> "pb.CommandResponse":
+        """A command acknowledgement, signed so that only this node's worker can give it."""
+        assert self.node_key is not None
+        return pb.CommandResponse(ok=ok, error=error, worker_id=self.worker_id, job_id=job_id,
+                                  signature=sign_ack(self.node_key, self.worker_id, job_id, ok, error))
+
     async def Command(self, request, context):
         await self._guard(context)
         plan = await self._verified(request.plan, context)
@@ -304,14 +314,18 @@ class WorkerService(rpc.WorkerServicer):
         batch = Batch(kind, [], [], [], list(plan.demote_host_slots), list(plan.demote_disk_slots),
                       list(plan.promote_host_slots), list(plan.promote_disk_slots))
         try:
+            await self._go(plan)
+        except JobFailed as exc:
+            return self._ack(plan.job_id, False, exc.message)
+        try:
             moved, seconds = await self._execute("store", batch, None)
         except Exception as exc:
             log.exception("%s job %d failed", kind.name.lower(), plan.job_id)
-            return pb.CommandResponse(ok=False, error=f"{type(exc).__name__}: {exc}")
+            return self._ack(plan.job_id, False, f"{type(exc).__name__}: {exc}")
         self.counters["bytes_demoted" if kind is PlanKind.DEMOTE else "bytes_promoted"] += moved
         log.debug("job %d %s: %d blocks G2->G3, %d blocks G3->G2 in %.2f ms", plan.job_id, kind.name.lower(),
                   len(batch.demote_host), len(batch.promote_host), seconds * 1e3)
-        return pb.CommandResponse(ok=True)
+        return self._ack(plan.job_id, True)
 
     async def Status(self, request, context):
         info = pb.WorkerInfo(worker_id=self.worker_id, rank=self.rank, alloc_progress=self.alloc_progress,

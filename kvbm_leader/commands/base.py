@@ -30,6 +30,9 @@ class CommandAck:
     delivered: bool  # the worker answered (ok or not); False: lost, timed out, no route
     ok: bool = False
     error: str = ""
+    #: the worker's own answer, when it sent one: its signature must be checked
+    #: (:func:`kvbm_client.security.ack_is_authentic`) before ``ok`` is believed
+    response: "pb.CommandResponse | None" = None
 
 
 class CommandTransport:

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import grpc
 
-from kvbm_client.contract import GRPC_OPTIONS, pb, rpc
+from kvbm_client.channels import open_aio_channel
+from kvbm_client.config import KvbmConfig
+from kvbm_client.contract import pb, rpc
+from kvbm_client.security import NodeKey
 
 from ..membership import WorkerRecord
 from .base import CommandAck, CommandTransport
@@ -19,13 +22,15 @@ _UNKNOWN = {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.S
 class GrpcCommands(CommandTransport):
     name = "grpc"
 
-    def __init__(self) -> None:
+    def __init__(self, config: KvbmConfig, node_key: NodeKey) -> None:
+        self.config = config
+        self.token = node_key.daemon_token
         self._stubs: dict[str, tuple[grpc.aio.Channel, rpc.WorkerStub]] = {}
         self._closing: set = set()
 
     async def send(self, worker: WorkerRecord, request: "pb.CommandRequest", timeout: float) -> CommandAck:
         if worker.worker_id not in self._stubs:
-            channel = grpc.aio.insecure_channel(worker.endpoint, options=GRPC_OPTIONS)
+            channel = open_aio_channel(worker.endpoint, self.config, daemon_token=self.token)
             self._stubs[worker.worker_id] = (channel, rpc.WorkerStub(channel))
         stub = self._stubs[worker.worker_id][1]
         try:
@@ -33,7 +38,7 @@ class GrpcCommands(CommandTransport):
         except grpc.RpcError as exc:
             error = f"{exc.code().name}: {exc.details()}"
             return CommandAck(exc.code() not in _UNKNOWN, False, error)
-        return CommandAck(True, resp.ok, resp.error)
+        return CommandAck(True, resp.ok, resp.error, resp)
 
     def forget(self, worker_id: str) -> None:
         entry = self._stubs.pop(worker_id, None)

@@ -37,4 +37,4 @@ class NatsCommands(CommandTransport):
             return CommandAck(False, False, f"{type(exc).__name__}: {exc}")
         resp = pb.CommandResponse()
         resp.ParseFromString(msg.data)
-        return CommandAck(True, resp.ok, resp.error)
+        return CommandAck(True, resp.ok, resp.error, resp)

@@ -71,7 +71,7 @@ class _GatherPlan:
         p = region.page_bytes
         self.wide = p % 8 == 0 and all(ptr % 8 == 0 for ptr in region.buffer_ptrs)
         self.groups: list[tuple[np.ndarray, object]] = []  # (layer indices, pages view)
-        offsets = np.array([ls.offset for ls in region.layers], np.int64)
+        offsets = np.array([ls.offset_bytes for ls in region.layers], np.int64)
         by_buffer: dict[int, list[int]] = {}
         for i, ls in enumerate(region.layers):
             by_buffer.setdefault(ls.buffer_index, []).append(i)

@@ -1,7 +1,8 @@
 """Bad requests get a precise gRPC status and change nothing.
 
-To forge *signed* plans with out-of-range slots, the test attaches to the real leader as
-the node's second worker, which is how it learns the plan-signing secret.
+To forge *signed* plans with out-of-range slots, the test plays the node's second worker:
+it reads the node key (as the operator can: the 0600 file in the socket dir), attaches with
+the daemon token and derives the leader's plan key, exactly as a worker does.
 """
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ import numpy as np
 import pytest
 
 from kvbm_client import KvbmConfig, sequence_hashes
+from kvbm_client.channels import open_channel
 from kvbm_client.contract import pb, rpc, sign_plan
+from kvbm_client.security import load_node_key
 
 CODE = grpc.StatusCode
 
@@ -27,13 +30,14 @@ def hashes(n: int, seed: int = 0):
 class FakeWorker:
     """Attaches as worker '1' over the real Attach stream and plays its part by hand."""
 
-    def __init__(self, address: str) -> None:
-        self.channel = grpc.insecure_channel(address)
+    def __init__(self, address: str, config: KvbmConfig) -> None:
+        key = load_node_key(config.resolved_node_key_file)
+        self.channel = open_channel(address, config, daemon_token=key.daemon_token)
         self.stub = rpc.LeaderStub(self.channel)
         self.events: queue.Queue = queue.Queue()
         self.stream = self.stub.Attach(pb.AttachRequest(worker_id="1", rank=1, endpoint="unix:/nonexistent", pid=1))
         threading.Thread(target=self._pump, daemon=True).start()
-        self.secret = self.next_event("welcome").welcome.secret
+        self.secret = key.plan_key(self.next_event("welcome").welcome.leader_id)
 
     def _pump(self) -> None:
         try:
@@ -67,7 +71,7 @@ def rig(make_node):
     node.start_leader()
     node.start_worker("0")
     node.wait_attached(1)
-    fake = FakeWorker(node.leader_address)
+    fake = FakeWorker(node.leader_address, node.config())
     client = node.client()
     engine = node.engine(num_blocks=32, num_layers=2, page_bytes=4096)
     client.register_region("0", engine.spec())
@@ -117,9 +121,15 @@ def test_worker_rejects_bad_transfers_and_moves_nothing(rig):
     assert _code(transfer(plan(tiers=(2, 2), slots=(0, 1)), [5, 5])) == CODE.INVALID_ARGUMENT  # twice
     assert _code(transfer(plan(kind=3), [5])) == CODE.INVALID_ARGUMENT  # a command is no transfer
     assert np.array_equal(engine.array, snapshot), "a rejected request changed engine memory"
-    # The stored shard is intact: load it with a genuine (if hand-signed) plan into block 20.
-    slot0 = plan(tiers=(2,), slots=(0,))
-    worker.Transfer(pb.TransferRequest(region_id=region, plan=slot0, engine_blocks=[20]))
+    # A well-formed plan the leader never issued moves nothing either (StartTransfer refuses it).
+    assert _code(transfer(plan(tiers=(2,), slots=(0,)), [20])) == CODE.FAILED_PRECONDITION
+    assert np.array_equal(engine.array, snapshot)
+    # The stored shard is intact: the fake worker confirms its part, then a genuine load plan
+    # brings block 0 back into engine block 20.
+    fake.stub.CompleteTransfer(pb.CompleteTransferRequest(worker_id="1", job_id=store.job_id, ok=True))
+    load = client.prepare_load(keys[:1])
+    assert load.num_blocks == 1
+    worker.Transfer(pb.TransferRequest(region_id=region, plan=load.signed, engine_blocks=[20]))
     assert np.array_equal(engine.array[20], snapshot[0])
 
 

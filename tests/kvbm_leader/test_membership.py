@@ -40,10 +40,14 @@ def test_layout_block_bytes() -> None:
 @pytest.mark.parametrize("layouts, config, expected", [
     # one worker: 1 GB / (32 * 65536) bytes
     ({"0": make_layout(32, 65536)}, dict(cpu_cache_gb=1.0), PoolPlan(1, 476, 0)),
-    # two workers (TP=2) with different shard sizes: the sum is one logical block
+    # two workers (TP=2) with different shard sizes: the sum of their (4096-aligned) slots is
+    # one logical block: 12288 + 20480 bytes
     ({"0": make_layout(10, 1000), "1": make_layout(20, 1000)}, dict(cpu_cache_gb=1.0, disk_cache_gb=3.0),
-     PoolPlan(1, 1e9 // 30_000, 3e9 // 30_000)),
-    ({"0": make_layout(10, 1000)}, dict(cpu_cache_gb=0.5), PoolPlan(1, 50_000, 0)),
+     PoolPlan(1, 1e9 // 32_768, 3e9 // 32_768)),
+    ({"0": make_layout(10, 1000)}, dict(cpu_cache_gb=0.5), PoolPlan(1, 5e8 // 12_288, 0)),
+    # a 1-byte layout takes a whole 4096-byte slot: the plan never promises more memory than
+    # the worker allocates (a client once grew G2 4096x this way)
+    ({"0": make_layout(1, 1)}, dict(cpu_cache_gb=0.001), PoolPlan(1, 1e6 // 4096, 0)),
     # overrides win over GB
     ({"0": make_layout(10, 1000)}, dict(cpu_cache_gb=1.0, cpu_cache_override_num_blocks=7,
                                         disk_cache_gb=1.0, disk_cache_override_num_blocks=9),
@@ -63,8 +67,11 @@ def test_pool_sizing(layouts: dict[str, Layout], config: dict, expected: PoolPla
 
 def test_block_bytes_sums_over_every_worker() -> None:
     m = make_membership("0", "1")
+    attach_all(m, {"0": make_layout(2, 4096), "1": make_layout(3, 4096)})
+    assert m.block_bytes() == 5 * 4096
+    m = make_membership("0", "1")
     attach_all(m, {"0": make_layout(2, 10), "1": make_layout(3, 10)})
-    assert m.block_bytes() == 50
+    assert m.block_bytes() == 2 * 4096  # each shard's slot is rounded up to 4096 bytes
 
 
 def test_replan_is_none_until_every_expected_worker_has_a_layout() -> None:
@@ -180,4 +187,4 @@ def test_replan_with_no_expected_list_sizes_by_attached_workers() -> None:
 
     plan = m.replan()
 
-    assert plan is not None and plan.host_slots == 100_000
+    assert plan is not None and plan.host_slots == 1e9 // 12_288

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from kvbm_client.ids import BlockHash, JobId, PlanKind, SlotId, Tier
-from kvbm_leader.placement import JobPlan, MatchResult, TierManager
+from kvbm_client.contract import MatchResult
+from kvbm_leader.placement import JobPlan, TierManager
 from kvbm_leader.policies.frequency import FrequencyFilter
 
 HOST, DISK = Tier.HOST, Tier.DISK

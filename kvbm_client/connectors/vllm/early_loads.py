@@ -19,7 +19,8 @@ import time
 
 import grpc
 
-from ...contract import GRPC_OPTIONS, pb, rpc
+from ...channels import open_channel
+from ...contract import pb, rpc
 from .metadata import LoadSpec
 from .settings import Backoff, ConnectorSettings
 
@@ -35,7 +36,7 @@ class _WorkerLink:
     def __init__(self, address: str, settings: ConnectorSettings) -> None:
         self.address = address
         self.timeout_s = settings.timeout_s
-        self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self.channel = open_channel(address, settings.config)
         self.stub = rpc.WorkerStub(self.channel)
         self.region_id: str | None = None
         self.backoff = Backoff(settings.retry_s)

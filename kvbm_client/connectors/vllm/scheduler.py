@@ -68,7 +68,7 @@ class KvbmConnectorScheduler:
             return None
         try:
             self._client = LeaderSession(self.settings.leader_address, client_name="vllm-scheduler",
-                                         timeout=self.settings.timeout_s)
+                                         timeout=self.settings.timeout_s, config=self.settings.config)
             log.info("kvbm connector: connected to leader %s", self.settings.leader_address)
             self._backoff.reset()
         except (KvbmError, OSError) as exc:

@@ -3,10 +3,10 @@ environment (the same defaults as ``kvbm serve``)."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ...config import KvbmConfig
+from ...config import KvbmConfig, parse_bool
 
 
 @dataclass(frozen=True)
@@ -24,13 +24,15 @@ class ConnectorSettings:
     #: the scheduler role starts a hit's copy on the worker daemons as soon as vLLM allocated
     #: its blocks (see :mod:`.early_loads`); false: the worker role starts it before the forward.
     early_loads: bool = True
+    #: the node's settings as this engine sees them (channels: TLS, tokens, message sizes)
+    config: KvbmConfig = field(default_factory=KvbmConfig)
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any], default_namespace: str) -> "ConnectorSettings":
         overrides = {k: extra[k] for k in ("socket_dir", "leader_address") if extra.get(k)}
         cfg = KvbmConfig.from_env(**overrides)
         template = extra.get("worker_address") or cfg.worker_address("{id}")
-        return cls(leader_address=cfg.resolved_leader_address, worker_address_template=template,
+        return cls(config=cfg, leader_address=cfg.resolved_leader_address, worker_address_template=template,
                    namespace=str(extra.get("namespace") or default_namespace),
                    timeout_s=float(extra.get("timeout_s", 2.0)), retry_s=float(extra.get("retry_s", 2.0)),
                    ready_timeout_s=float(extra.get("ready_timeout_s", 120.0)),
@@ -56,14 +58,10 @@ def _load_mode(value: Any) -> str:
 
 
 def _flag(name: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"kv_connector_extra_config.{name}={value!r}: true or false")
+    try:
+        return parse_bool(value)
+    except ValueError:
+        raise ValueError(f"kv_connector_extra_config.{name}={value!r}: true or false") from None
 
 
 class Backoff:

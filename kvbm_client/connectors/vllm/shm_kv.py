@@ -7,11 +7,12 @@ the engine's own forward pass reads and writes the very pages the daemon copies.
 """
 from __future__ import annotations
 
-import glob
 import logging
 import os
 
 import torch
+
+from ...procs import remove_stale_files
 
 log = logging.getLogger("kvbm.connector")
 
@@ -34,7 +35,7 @@ class ShmKvAllocation(torch.overrides.TorchFunctionMode):
                 and str(kwargs.get("device", "cpu")) == "cpu"):
             size = args[0] if args and isinstance(args[0], int) else (args[0][0] if args else None)
             if isinstance(size, int) and size >= self.min_bytes:
-                remove_stale_files(os.path.dirname(self.path))
+                remove_stale_files(os.path.dirname(self.path), PREFIX)
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
                 try:
                     os.ftruncate(fd, size)
@@ -52,17 +53,3 @@ class ShmKvAllocation(torch.overrides.TorchFunctionMode):
             pass
 
 
-def remove_stale_files(directory: str = SHM_DIR) -> None:
-    """Remove KV files of engines that died without cleaning up (their RAM is held)."""
-    for path in glob.glob(os.path.join(directory, PREFIX + "*")):
-        try:
-            pid = int(os.path.basename(path)[len(PREFIX):].split("-", 1)[0])
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            try:
-                os.unlink(path)
-                log.info("kvbm: removed stale engine KV file %s", path)
-            except OSError:
-                pass
-        except (ValueError, PermissionError):
-            continue

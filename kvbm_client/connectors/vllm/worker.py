@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from ...contract import GRPC_OPTIONS, pb, rpc
+from ...channels import open_channel
+from ...contract import pb, rpc
 from ...regions import LayerSpec, RegionSpec
 from .metadata import KvbmConnectorMetadata
 from .settings import Backoff, ConnectorSettings
@@ -85,7 +86,7 @@ class KvbmConnectorWorker:
         self.address = settings.worker_address(worker_id)
         self.spec: RegionSpec | None = None
         self.region_id: str | None = None
-        self._channel = grpc.insecure_channel(self.address, options=GRPC_OPTIONS)
+        self._channel = open_channel(self.address, self.settings.config)
         self._stub = rpc.WorkerStub(self._channel)
         self._backoff = Backoff(settings.retry_s)
         self._stores: list[InFlight] = []
@@ -155,7 +156,7 @@ class KvbmConnectorWorker:
             self._backoff.failed()
             if exc.code() == grpc.StatusCode.UNAVAILABLE:  # dial a restarted daemon afresh
                 self._channel.close()
-                self._channel = grpc.insecure_channel(self.address, options=GRPC_OPTIONS)
+                self._channel = open_channel(self.address, self.settings.config)
                 self._stub = rpc.WorkerStub(self._channel)
 
     # ------------------------------------------------------------------ transfers

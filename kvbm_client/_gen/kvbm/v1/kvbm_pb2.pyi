@@ -46,18 +46,20 @@ class KvLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., page_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., num_engine_blocks: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class RegionBuffer(_message.Message):
-    __slots__ = ("shm_path", "cuda_ipc_handle", "size_bytes", "device", "offset_bytes")
+    __slots__ = ("shm_path", "cuda_ipc_handle", "fd_index", "size_bytes", "device", "offset_bytes")
     SHM_PATH_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    FD_INDEX_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
     shm_path: str
     cuda_ipc_handle: bytes
+    fd_index: int
     size_bytes: int
     device: int
     offset_bytes: int
-    def __init__(self, shm_path: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., size_bytes: _Optional[int] = ..., device: _Optional[int] = ..., offset_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, shm_path: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., fd_index: _Optional[int] = ..., size_bytes: _Optional[int] = ..., device: _Optional[int] = ..., offset_bytes: _Optional[int] = ...) -> None: ...
 
 class LayerPlacement(_message.Message):
     __slots__ = ("buffer_index", "offset_bytes", "block_stride_bytes")
@@ -320,20 +322,40 @@ class PoolsReadyResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class CompleteTransferRequest(_message.Message):
-    __slots__ = ("worker_id", "job_id", "ok", "error", "bytes", "seconds")
+    __slots__ = ("worker_id", "job_id", "ok", "error", "bytes", "seconds", "bad_disk_slots", "bad_host_slots")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BAD_DISK_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    BAD_HOST_SLOTS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     job_id: int
     ok: bool
     error: str
     bytes: int
     seconds: float
-    def __init__(self, worker_id: _Optional[str] = ..., job_id: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+    bad_disk_slots: _containers.RepeatedScalarFieldContainer[int]
+    bad_host_slots: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, worker_id: _Optional[str] = ..., job_id: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., bad_disk_slots: _Optional[_Iterable[int]] = ..., bad_host_slots: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StartTransferRequest(_message.Message):
+    __slots__ = ("worker_id", "job_id", "epoch")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    job_id: int
+    epoch: int
+    def __init__(self, worker_id: _Optional[str] = ..., job_id: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class StartTransferResponse(_message.Message):
+    __slots__ = ("deadline",)
+    DEADLINE_FIELD_NUMBER: _ClassVar[int]
+    deadline: float
+    def __init__(self, deadline: _Optional[float] = ...) -> None: ...
 
 class CompleteTransferResponse(_message.Message):
     __slots__ = ("committed", "accepted")
@@ -455,19 +477,25 @@ class CommandRequest(_message.Message):
     def __init__(self, plan: _Optional[_Union[SignedPlan, _Mapping]] = ...) -> None: ...
 
 class CommandResponse(_message.Message):
-    __slots__ = ("ok", "error")
+    __slots__ = ("ok", "error", "worker_id", "job_id", "signature")
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     error: str
-    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+    worker_id: str
+    job_id: int
+    signature: bytes
+    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., worker_id: _Optional[str] = ..., job_id: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class WorkerStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class WorkerStatusResponse(_message.Message):
-    __slots__ = ("info", "region_id", "disk_path", "disk_backend", "counters")
+    __slots__ = ("info", "region_id", "disk_path", "disk_backend", "counters", "region_digest", "region_socket", "region_pid")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -480,9 +508,15 @@ class WorkerStatusResponse(_message.Message):
     DISK_PATH_FIELD_NUMBER: _ClassVar[int]
     DISK_BACKEND_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    REGION_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    REGION_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    REGION_PID_FIELD_NUMBER: _ClassVar[int]
     info: WorkerInfo
     region_id: str
     disk_path: str
     disk_backend: str
     counters: _containers.ScalarMap[str, float]
-    def __init__(self, info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., region_id: _Optional[str] = ..., disk_path: _Optional[str] = ..., disk_backend: _Optional[str] = ..., counters: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    region_digest: str
+    region_socket: str
+    region_pid: int
+    def __init__(self, info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., region_id: _Optional[str] = ..., disk_path: _Optional[str] = ..., disk_backend: _Optional[str] = ..., counters: _Optional[_Mapping[str, float]] = ..., region_digest: _Optional[str] = ..., region_socket: _Optional[str] = ..., region_pid: _Optional[int] = ...) -> None: ...

@@ -89,6 +89,11 @@ class LeaderStub:
                 request_serializer=kvbm_dot_v1_dot_kvbm__pb2.CompleteTransferRequest.SerializeToString,
                 response_deserializer=kvbm_dot_v1_dot_kvbm__pb2.CompleteTransferResponse.FromString,
                 _registered_method=True)
+        self.StartTransfer = channel.unary_unary(
+                '/kvbm.v1.Leader/StartTransfer',
+                request_serializer=kvbm_dot_v1_dot_kvbm__pb2.StartTransferRequest.SerializeToString,
+                response_deserializer=kvbm_dot_v1_dot_kvbm__pb2.StartTransferResponse.FromString,
+                _registered_method=True)
         self.Status = channel.unary_unary(
                 '/kvbm.v1.Leader/Status',
                 request_serializer=kvbm_dot_v1_dot_kvbm__pb2.StatusRequest.SerializeToString,
@@ -167,6 +172,12 @@ class LeaderServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StartTransfer(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Status(self, request, context):
         """Operators.
         """
@@ -231,6 +242,11 @@ def add_LeaderServicer_to_server(servicer, server):
                     servicer.CompleteTransfer,
                     request_deserializer=kvbm_dot_v1_dot_kvbm__pb2.CompleteTransferRequest.FromString,
                     response_serializer=kvbm_dot_v1_dot_kvbm__pb2.CompleteTransferResponse.SerializeToString,
+            ),
+            'StartTransfer': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartTransfer,
+                    request_deserializer=kvbm_dot_v1_dot_kvbm__pb2.StartTransferRequest.FromString,
+                    response_serializer=kvbm_dot_v1_dot_kvbm__pb2.StartTransferResponse.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
@@ -546,6 +562,33 @@ class Leader:
             _registered_method=True)
 
     @staticmethod
+    def StartTransfer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbm.v1.Leader/StartTransfer',
+            kvbm_dot_v1_dot_kvbm__pb2.StartTransferRequest.SerializeToString,
+            kvbm_dot_v1_dot_kvbm__pb2.StartTransferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def Status(request,
             target,
             options=(),
@@ -613,7 +656,9 @@ class WorkerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def RegisterRegion(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Refused with FAILED_PRECONDITION since v1.1: regions are registered over the worker's
+        region socket (a RegisterRegionRequest plus its memfds, SCM_RIGHTS, owner = SO_PEERCRED).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
