@@ -29,7 +29,10 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--kvbm", action="store_true")
     p.add_argument("--kvbm-extra", default="{}")
-    p.add_argument("--g1-bytes", type=int, default=2 << 20)
+    p.add_argument("--g1-bytes", type=int, default=4 << 20, help="G1 (KV cache) bytes; 4 MiB = 1024 tokens in fp32")
+    p.add_argument("--dtype", default="float32",
+                   help="model dtype; float32 so that greedy tokens do not flip on rounding noise when a "
+                        "prefix is loaded instead of computed (bf16 near-ties did, on some CPUs)")
     p.add_argument("--max-model-len", type=int, default=896)
     p.add_argument("--users", type=int, default=4)
     p.add_argument("--rounds", type=int, default=3)
@@ -54,7 +57,8 @@ def main() -> None:
                                     "kv_connector_module_path": "kvbm_client.connectors.vllm",
                                     "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                                     "kv_connector_extra_config": json.loads(args.kvbm_extra)}
-    llm = LLM(model=args.model, enforce_eager=True, block_size=32, max_model_len=args.max_model_len, seed=0,
+    llm = LLM(model=args.model, dtype=args.dtype, enforce_eager=True, block_size=32,
+              max_model_len=args.max_model_len, seed=0,
               kv_cache_memory_bytes=args.g1_bytes, enable_prefix_caching=True, max_num_seqs=4,
               disable_log_stats=False, **kw)
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
