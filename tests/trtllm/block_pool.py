@@ -7,6 +7,8 @@ What it reproduces, because a connector's correctness depends on it:
   only (the last prompt token is always computed), and allocates every other block of the prompt
   at once;
 * ``add_token`` grows a running sequence one block at a time;
+* ``store`` makes the full blocks a context pass completed matchable at once (TensorRT-LLM's
+  ``update_resources`` calls ``store_context_blocks`` after every context pass);
 * ``release`` stores the sequence's full blocks whose KV is complete (the first
   ``num_tokens - 1`` tokens) for reuse and drops the sequence's references, last block first;
 * free blocks are handed out uncached ones first, then cached ones least recently released
@@ -153,24 +155,33 @@ class DeviceBlockPool:
         seq.extend(added)
         return added
 
-    def release(self, request_id: int, full_block_keys: Sequence[BlockKey]) -> list[BlockId]:
+    def store(self, request_id: int, full_block_keys: Sequence[BlockKey]) -> None:
+        """Make a running sequence's complete full blocks matchable (``store_context_blocks``,
+        called after every context pass); the sequence keeps its references."""
+        if self.enable_block_reuse:
+            for block_id, key in zip(self._seqs[request_id], full_block_keys):
+                self._store(self._blocks[block_id], key)
+
+    def release(self, request_id: int, full_block_keys: Sequence[BlockKey], drop_cached: bool = False) -> list[BlockId]:
         """Free a sequence: store its complete full blocks for reuse, drop its references.
 
         Args:
             full_block_keys: Keys of the sequence's full blocks whose KV is complete, in order.
+            drop_cached: Blocks that become free leave the device cache too (as if reused at once).
         Returns:
             The blocks that became free *and* uncached (their content may be overwritten).
         """
+        self.store(request_id, full_block_keys)
         seq = self._seqs.pop(request_id)
-        if self.enable_block_reuse:
-            for block_id, key in zip(seq, full_block_keys):
-                self._store(self._blocks[block_id], key)
         uncached: list[BlockId] = []
         for block_id in reversed(seq):
             block = self._blocks[block_id]
             block.ref_count -= 1
             assert block.ref_count >= 0
             if block.ref_count == 0:
+                if drop_cached and block.key is not None:
+                    del self._index[block.key]
+                    block.key = None
                 if block.key is None:
                     self._fresh.appendleft(block_id)
                     uncached.append(block_id)

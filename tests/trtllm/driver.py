@@ -105,6 +105,7 @@ class Driver:
         self._records: dict[int, _Record] = {}
         self._holding: dict[int, _Record] = {}  # finished, blocks kept for a connector save
         self._unsampled: list[tuple[_Record, int]] = []  # overlap: sampled, not yet given to the request
+        self._workload: Optional[Workload] = None
 
     def _init_connector(self, connectors: ConnectorFactories) -> list:
         """``py_executor_creator`` + ``_maybe_init_kv_connector_manager``: construct, register the
@@ -196,7 +197,10 @@ class Driver:
         self._poison(alloc.fresh_block_ids)
         rec.has_sequence = True
         device = alloc.num_matched_blocks * b
-        matched = self.runtime.get_num_new_matched_tokens(req, device) if self.runtime else 0
+        # NOTE: with block reuse off TensorRT-LLM's addSequence never asks the connector (it logs
+        # that the connector is ignored); update_state_after_alloc and the metadata still happen.
+        asks = self.runtime is not None and self.config.enable_block_reuse
+        matched = self.runtime.get_num_new_matched_tokens(req, device) if asks else 0
         req.set_prepopulated_prompt_len(device + matched, b)  # raises unless a prompt token is left
         rec.result.device_matched_tokens, rec.result.connector_matched_tokens = device, matched
         rec.result.load_async = bool(self.runtime and self.runtime.is_loading(req.request_id))
@@ -219,12 +223,16 @@ class Driver:
             work.append((rec, self._item(rec, len(rec.tokens) - 1, len(rec.tokens))))
         before = self.forward.verified_positions
         self.forward.run([item for _, item in work])
+        b = self.config.geometry.tokens_per_block
         for rec, item in work:
             rec.kv_valid = item.stop
+        for req in batch.context_requests:  # update_resources: store_context_blocks
+            rec = self._records[req.request_id]
+            full = min(req.prompt_len, rec.kv_valid) // b
+            self.pool.store(req.request_id, chain_block_keys(rec.tokens, b, full, req.cache_salt_id, req.lora_task_id))
         self.stats.forward_passes += 1
         self.stats.verified_positions += self.forward.verified_positions - before
         if self.config.verify:
-            b = self.config.geometry.tokens_per_block
             self.stats.onboarded_blocks += sum(-(-r.onboarded_until // b) - r.result.device_matched_tokens // b
                                                for r in first_reads)
 
@@ -274,13 +282,16 @@ class Driver:
             rid = rec.request.request_id
             if self.runtime is not None and self.runtime.request_finished(rec.request, self.pool.get_cache_indices(rid)):
                 self.stats.delayed_frees += 1
+                held.add(rid)
                 if self.config.honour_delayed_free:
-                    held.add(rid)
                     self._holding[rid] = rec
         for rec in finished:
             self._active.remove(rec)
-            if rec.request.request_id not in held:
+            rid = rec.request.request_id
+            if rid not in held:
                 self._release(rec)
+            elif not self.config.honour_delayed_free:
+                self._release(rec, reused_at_once=True)
             self._report.results[rec.spec.name] = rec.result
             self._arrivals.extend((spec, 0) for spec in self._workload.on_finished(rec.spec, rec.result.output_tokens))
 
@@ -336,18 +347,20 @@ class Driver:
             self._records[rid] = rec
             self._active.append(rec)
 
-    def _release(self, rec: _Record) -> None:
+    def _release(self, rec: _Record, reused_at_once: bool = False) -> None:
         """``free_resources``: store the full blocks whose KV is complete, free the sequence.
 
         NOTE: complete means within the first ``len(tokens) - 1`` tokens (the last sampled token
         has no KV yet) *and* written by a pass that succeeded, so a failed pass never plants
-        unwritten blocks in the device cache.
+        unwritten blocks in the device cache. ``reused_at_once`` (the negative control of the
+        delayed free) stores nothing and poisons every freed block, as if another request took
+        them immediately.
         """
         req, b = rec.request, self.config.geometry.tokens_per_block
         tokens = req.get_tokens(0)
-        full = min(len(tokens) - 1, rec.kv_valid) // b
+        full = 0 if reused_at_once else min(len(tokens) - 1, rec.kv_valid) // b
         keys = chain_block_keys(tokens, b, full, req.cache_salt_id, req.lora_task_id)
-        self._poison(self.pool.release(req.request_id, keys))
+        self._poison(self.pool.release(req.request_id, keys, drop_cached=reused_at_once))
         self.scheduler.forget(req.request_id)
 
     def _poison(self, block_ids) -> None:

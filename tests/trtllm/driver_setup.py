@@ -19,8 +19,9 @@ class DriverConfig:
         num_blocks: Device blocks per rank (small pools make the device forget prefixes).
         overlap_scheduler: TensorRT-LLM's default; sampled tokens reach the request (and finished
             requests reach ``request_finished``) one iteration later.
-        honour_delayed_free: False frees blocks right after ``request_finished`` returned True; only
-            for the negative control of the delayed-free check.
+        honour_delayed_free: False frees the blocks right after ``request_finished`` returned True
+            and poisons them, as if another request reused them at once; only for the negative
+            control of the delayed-free check.
         max_retries: Resubmissions of a request failed by a raising connector hook.
     """
 

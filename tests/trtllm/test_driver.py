@@ -109,31 +109,46 @@ def test_negative_control_a_corrupting_load_fails_the_byte_check():
         run(connectors=store_connector(InMemoryBlockStore(), corrupt=True))
 
 
+def flush(tag: int, n: int = 3):
+    """Unrelated requests that push every cached block out of the 40-block device pool."""
+    return [RequestSpec(f"flush{tag}-{i}", random_tokens((99, tag, i), 60, 1000), 2) for i in range(n)]
+
+
 def prefix_then_extension(salt_b="acme", n=2):
+    """``a`` computes a 22-token prefix; after a flush ``b`` extends it (salt ``salt_b``); after
+    another flush the ``a<i>`` extend it under ``a``'s salt."""
     base = random_tokens((5,), 22, 1000)
-    return Sequential([RequestSpec("a", base, 2, "acme"),
-                       RequestSpec("b", base + random_tokens((6,), 5, 1000), 2, salt_b),
+    return Sequential([RequestSpec("a", base, 2, "acme"), *flush(1),
+                       RequestSpec("b", base + random_tokens((6,), 5, 1000), 2, salt_b), *flush(2),
                        *[RequestSpec(f"a{i}", base + random_tokens((7, i), 5, 1000), 2, "acme") for i in range(n)]])
 
 
-NO_DEVICE_REUSE = DriverConfig(geometry=GEOMETRY, num_blocks=40, enable_block_reuse=False)
-
-
 def test_delayed_free_is_honoured_and_freeing_early_is_caught():
-    store = InMemoryBlockStore()
-    report = run(NO_DEVICE_REUSE, store_connector(store, save_async=True), prefix_then_extension())
-    assert report.results["b"].connector_matched_tokens == 20 and report.stats.delayed_frees >= 1
-    early = DriverConfig(geometry=GEOMETRY, num_blocks=40, enable_block_reuse=False, honour_delayed_free=False)
+    report = run(CONFIG, store_connector(InMemoryBlockStore(), save_async=True), prefix_then_extension())
+    b = report.results["b"]
+    assert (b.device_matched_tokens, b.connector_matched_tokens) == (0, 20) and report.stats.delayed_frees >= 1
+    early = DriverConfig(geometry=GEOMETRY, num_blocks=40, honour_delayed_free=False)
     with pytest.raises(KvMismatchError, match="request b: .*connector-loaded.*poison"):
         run(early, store_connector(InMemoryBlockStore(), save_async=True), prefix_then_extension())
 
 
 def test_different_salts_never_share_and_sharing_would_be_caught():
-    report = run(NO_DEVICE_REUSE, store_connector(InMemoryBlockStore()), prefix_then_extension("globex"))
-    assert report.results["b"].connector_matched_tokens == 0
+    report = run(CONFIG, store_connector(InMemoryBlockStore()), prefix_then_extension("globex"))
+    b = report.results["b"]
+    assert (b.device_matched_tokens, b.connector_matched_tokens) == (0, 0)
     assert report.results["a0"].connector_matched_tokens == 20, "the prefix was there for its own salt"
     with pytest.raises(KvMismatchError, match="request b: .*connector-loaded"):
-        run(NO_DEVICE_REUSE, store_connector(InMemoryBlockStore(), ignore_salt=True), prefix_then_extension("globex"))
+        run(CONFIG, store_connector(InMemoryBlockStore(), ignore_salt=True), prefix_then_extension("globex"))
+
+
+def test_with_block_reuse_off_the_connector_is_never_asked():
+    """TensorRT-LLM's addSequence without reuse ignores the connector (but the rest is called)."""
+    log = CallLog()
+    run(DriverConfig(geometry=GEOMETRY, num_blocks=40, enable_block_reuse=False), recompute_only(log),
+        prefix_then_extension())
+    methods = log.methods("scheduler")
+    assert "get_num_new_matched_tokens" not in methods
+    assert methods.count("update_state_after_alloc") == 10 and "build_connector_meta" in methods
 
 
 def test_a_hook_that_raises_fails_the_active_requests_and_a_retry_recomputes(baseline):
@@ -167,7 +182,7 @@ def test_a_load_that_never_finishes_is_reported_as_a_stall():
     store = InMemoryBlockStore()
     factories = store_connector(store, load_async=True)
     factories = ConnectorFactories(factories.scheduler, partial(Withholding, store=store))
-    config = DriverConfig(geometry=GEOMETRY, num_blocks=40, enable_block_reuse=False, stall_timeout_s=0.3)
+    config = DriverConfig(geometry=GEOMETRY, num_blocks=40, stall_timeout_s=0.3)
     with pytest.raises(DriverStallError, match="DISAGG_GENERATION_TRANS_IN_PROGRESS"):
         run(config, factories, prefix_then_extension())
 

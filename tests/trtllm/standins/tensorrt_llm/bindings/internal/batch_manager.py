@@ -36,7 +36,7 @@ class LlmRequest:
         self.max_new_tokens = max_new_tokens
         self.state = LlmRequestState.CONTEXT_INIT
         self.context_current_position = 0
-        self.context_chunk_size = self.prompt_len
+        self._context_chunk_size = self.prompt_len
         self.is_dummy_request = False
         self._tokens = list(input_tokens)
         self._lora_task_id = lora_task_id
@@ -54,6 +54,15 @@ class LlmRequest:
 
     def add_new_token(self, token: int, beam: int) -> None:
         self._tokens.append(int(token))
+
+    @property
+    def context_chunk_size(self) -> int:
+        return self._context_chunk_size
+
+    @context_chunk_size.setter
+    def context_chunk_size(self, size: int) -> None:
+        """Clamped to the remaining prompt, as C++ ``setContextChunkSize`` does."""
+        self._context_chunk_size = min(size, self.prompt_len - self.context_current_position)
 
     # --- read-only properties ---
     @property
@@ -105,7 +114,8 @@ class LlmRequest:
 
     def set_prepopulated_prompt_len(self, prepopulated_prompt_len: int, kv_tokens_per_block: int) -> None:
         """C++ ``setPrepopulatedPromptLen``: tokens already cached (device match plus connector
-        match) move the context position; the chunk is shortened to end on a block boundary.
+        match) move the context position; a chunk that does not reach the end of the prompt is
+        shortened to end on a block boundary.
 
         Raises:
             RuntimeError: ``prepopulated_prompt_len >= prompt_len`` (TensorRT-LLM's check that at
@@ -122,4 +132,4 @@ class LlmRequest:
             if end > prepopulated_prompt_len:
                 chunk = end - prepopulated_prompt_len
         self.context_current_position = prepopulated_prompt_len
-        self.context_chunk_size = min(chunk, self.prompt_len - prepopulated_prompt_len)
+        self.context_chunk_size = chunk
