@@ -1,0 +1,1 @@
+"""STAND-IN for ``tensorrt_llm.bindings.internal``."""
