@@ -120,12 +120,13 @@ def accepts_connections(address: str, timeout_s: float) -> bool:
     NOTE: a stopped or wedged leader still has its socket accepted by the kernel, while gRPC
     reports UNAVAILABLE exactly as for no leader at all; this tells the two apart.
     """
-    if is_unix(address):
-        family, target = socket.AF_UNIX, unix_path(address)
-    else:
-        host, _, port = address.rpartition(":")
-        family, target = socket.AF_INET6 if ":" in host else socket.AF_INET, (host.strip("[]"), int(port))
+    target: str | tuple[str, int]
     try:
+        if is_unix(address):
+            family, target = socket.AF_UNIX, unix_path(address)
+        else:
+            host, _, port = address.rpartition(":")
+            family, target = socket.AF_INET6 if ":" in host else socket.AF_INET, (host.strip("[]"), int(port))
         with socket.socket(family, socket.SOCK_STREAM) as sock:
             sock.settimeout(timeout_s)
             sock.connect(target)
@@ -174,11 +175,16 @@ class DoctorContext:
         except KvbmConfigError as exc:
             return cls(None, str(exc), options, dict(env))
 
+    @property
+    def cfg(self) -> KvbmConfig:
+        """The parsed configuration; the runner calls checks that need it only when there is one."""
+        assert self.config is not None, "a check that needs the configuration ran without one"
+        return self.config
+
     def node(self) -> NodeProbe:
         """The running node, probed on first use (needs a configuration that parsed)."""
-        assert self.config is not None, "node() needs a parsed configuration"
         if self._node is None:
-            self._node = probe_node(self.config.resolved_leader_address, self.options.timeout_s)
+            self._node = probe_node(self.cfg.resolved_leader_address, self.options.timeout_s)
         return self._node
 
 

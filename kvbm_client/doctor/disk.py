@@ -69,7 +69,7 @@ def aligned_buffer(nbytes: int) -> mmap.mmap:
 
 
 def _disk_dir(ctx: DoctorContext) -> str | None:
-    return ctx.config.disk_cache_dir if ctx.config.disk_enabled else None
+    return ctx.cfg.disk_cache_dir if ctx.cfg.disk_enabled else None
 
 
 def check_dir(ctx: DoctorContext) -> CheckResult:
@@ -117,7 +117,7 @@ def check_o_direct(ctx: DoctorContext) -> CheckResult:
     directory = _disk_dir(ctx)
     if directory is None:
         return skip("no G3 configured")
-    disabled = ctx.config.disk_disable_o_direct
+    disabled = ctx.cfg.disk_disable_o_direct
     try:
         with prepared_dir(directory):
             works, error = o_direct_works(directory)
@@ -159,7 +159,7 @@ def check_fallocate(ctx: DoctorContext) -> CheckResult:
     directory = _disk_dir(ctx)
     if directory is None:
         return skip("no G3 configured")
-    cfg = ctx.config
+    cfg = ctx.cfg
     try:
         with prepared_dir(directory):
             with probe_file(directory) as fd:
@@ -212,7 +212,7 @@ def check_bench(ctx: DoctorContext) -> CheckResult:
     buf.write(os.urandom(BENCH_CHUNK))
     try:
         with prepared_dir(directory):
-            o_direct = not ctx.config.disk_disable_o_direct and o_direct_works(directory)[0]
+            o_direct = not ctx.cfg.disk_disable_o_direct and o_direct_works(directory)[0]
             with probe_file(directory, os.O_DIRECT if o_direct else 0) as fd:
                 wrote, wsec = _bench(fd, total, buf, write=True)
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # reads must come from the disk

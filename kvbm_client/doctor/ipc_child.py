@@ -11,46 +11,32 @@ import ctypes
 import hashlib
 import sys
 
+from .cudart import CudaCallError, check, runtime
+
 IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
-
-
-def _runtime():
-    try:
-        from cuda.bindings import runtime
-    except ImportError:
-        from cuda import cudart as runtime  # cuda-python before 12.6
-    return runtime
-
-
-def _check(result, what: str):
-    rt = _runtime()
-    err, *values = result if isinstance(result, tuple) else (result,)
-    if err != rt.cudaError_t.cudaSuccess:
-        raise RuntimeError(f"{what}: {getattr(err, 'name', err)}")
-    return values[0] if len(values) == 1 else values
 
 
 def read_ipc(device: int, handle: bytes, offset: int, nbytes: int) -> bytes:
     """Open ``handle`` on ``device``, copy ``nbytes`` at ``offset`` to the host, close it."""
-    rt = _runtime()
+    rt = runtime()
     mem = rt.cudaIpcMemHandle_t()
     ctypes.memmove(mem.getPtr(), handle, IPC_HANDLE_BYTES)
-    _check(rt.cudaSetDevice(device), "cudaSetDevice")
-    base = int(_check(rt.cudaIpcOpenMemHandle(mem, rt.cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle"))
+    check(rt.cudaSetDevice(device), "cudaSetDevice")
+    base = int(check(rt.cudaIpcOpenMemHandle(mem, rt.cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle"))
     try:
         host = ctypes.create_string_buffer(nbytes)
-        _check(rt.cudaMemcpy(ctypes.addressof(host), base + offset, nbytes,
-                             rt.cudaMemcpyKind.cudaMemcpyDeviceToHost), "cudaMemcpy")
+        check(rt.cudaMemcpy(ctypes.addressof(host), base + offset, nbytes,
+                            rt.cudaMemcpyKind.cudaMemcpyDeviceToHost), "cudaMemcpy")
         return host.raw
     finally:
-        _check(rt.cudaIpcCloseMemHandle(base), "cudaIpcCloseMemHandle")
+        check(rt.cudaIpcCloseMemHandle(base), "cudaIpcCloseMemHandle")
 
 
 def main(argv: list[str]) -> int:
     device, handle, offset, nbytes = int(argv[0]), bytes.fromhex(argv[1]), int(argv[2]), int(argv[3])
     try:
         data = read_ipc(device, handle, offset, nbytes)
-    except (ImportError, RuntimeError) as exc:
+    except (ImportError, CudaCallError) as exc:
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     print(hashlib.sha256(data).hexdigest())

@@ -70,7 +70,7 @@ def round_trip(agent, name: str, fd: int) -> bool:
 
 def check_posix(ctx: DoctorContext) -> CheckResult:
     """NIXL loads and its POSIX backend writes and reads back 1 MiB in DYN_KVBM_DISK_CACHE_DIR."""
-    cfg = ctx.config
+    cfg = ctx.cfg
     if not cfg.disk_enabled:
         return skip("no G3 configured (NIXL moves G3 bytes only)")
     fallback = "the worker falls back to preadv/pwritev (works, no NIXL)"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import grpc
 
+from ..contract import pb
 from ..ids import Tier
 from .base import Check, CheckResult, DoctorContext, NodeProbe, fail, info, ok, skip, warn
 
@@ -18,20 +19,21 @@ WORKER_FAILURES = "jobs_failed"
 LOGS = "look at the leader's and workers' logs (DYN_LOG=debug logs every decision)"
 
 
-def _running(ctx: DoctorContext) -> NodeProbe | None:
+def _running(ctx: DoctorContext) -> tuple[NodeProbe, "pb.StatusResponse"] | None:
+    """The probe and the leader's answer, or None when no node is running."""
     node = ctx.node()
-    return node if node.running else None
+    return None if node.status is None else (node, node.status)
 
 
 def check_leader(ctx: DoctorContext) -> CheckResult:
     """The leader answers Status; its state says whether the pools are planned and allocated."""
     node = ctx.node()
-    if not node.running:
+    st = node.status
+    if st is None:
         if node.code is grpc.StatusCode.UNAVAILABLE and not node.listening:
             return info(f"not running (no leader answers at {node.address})", running=False)
         return fail(f"a process accepts connections at {node.address} but does not answer Status "
                     f"({node.error})", f"the leader may be hung or stopped: {LOGS}; restart it", running=False)
-    st = node.status
     text = f"leader {st.leader_id} at {node.address}: {st.state}, {len(st.workers)} worker(s), " \
            f"{st.sessions} session(s), {st.pending_jobs} job(s) in flight"
     if st.state == "ready":
@@ -54,9 +56,10 @@ def _worker_line(worker_id: str, answer) -> tuple[str, str]:
 
 def check_workers(ctx: DoctorContext) -> CheckResult:
     """Every worker the leader lists answers its own Status; their pools are allocated."""
-    node = _running(ctx)
-    if node is None:
+    running = _running(ctx)
+    if running is None:
         return skip("node not running")
+    node, _st = running
     if not node.workers:
         return warn("no worker attached to the leader", "start kvbm-worker (kvbm serve starts them)")
     lines = [_worker_line(wid, answer) for wid, answer in sorted(node.workers.items())]
@@ -75,10 +78,10 @@ def check_workers(ctx: DoctorContext) -> CheckResult:
 
 def check_pools(ctx: DoctorContext) -> CheckResult:
     """Pools as the leader holds them: capacity, use, pins and hit rates per tier."""
-    node = _running(ctx)
-    if node is None:
+    running = _running(ctx)
+    if running is None:
         return skip("node not running")
-    st = node.status
+    _node, st = running
     if not st.tiers:
         return info("no pools yet (the engine has not registered its KV cache)")
     parts, data = [], {}
@@ -99,10 +102,11 @@ def check_pools(ctx: DoctorContext) -> CheckResult:
 def check_failures(ctx: DoctorContext) -> CheckResult:
     """Counters of failures since the leader started: failed jobs, lost blocks, undelivered
     commands, dropped events, and each worker's failed copies."""
-    node = _running(ctx)
-    if node is None:
+    running = _running(ctx)
+    if running is None:
         return skip("node not running")
-    counts = {name: node.status.counters.get(name, 0.0) for name in FAILURE_COUNTERS}
+    node, st = running
+    counts = {name: st.counters.get(name, 0.0) for name in FAILURE_COUNTERS}
     for wid, answer in node.workers.items():
         if not isinstance(answer, str):
             counts[f"worker {wid} {WORKER_FAILURES}"] = answer.counters.get(WORKER_FAILURES, 0.0)

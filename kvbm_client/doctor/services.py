@@ -36,7 +36,7 @@ async def _etcd_status(host: str, port: int, timeout: float) -> str:
 
 def check_etcd(ctx: DoctorContext) -> CheckResult:
     """ETCD_ENDPOINTS (when set) answers: the endpoint kvbm uses is its first one."""
-    endpoints = ctx.config.etcd_endpoints
+    endpoints = ctx.cfg.etcd_endpoints
     if not endpoints:
         return skip("ETCD_ENDPOINTS not set (single node, no discovery)")
     try:
@@ -75,15 +75,16 @@ async def _nats_info(servers: list[str], timeout: float) -> str:
             raise ConnectionError(f"{type(seen[-1]).__name__}: {seen[-1]}") from exc
         raise
     try:
-        await nc.flush(timeout=timeout)
-        return f"nats-server {nc._server_info.get('version', '?')} at {nc.connected_url.netloc}"
+        await nc.flush(timeout=max(1, round(timeout)))
+        where = nc.connected_url.netloc if nc.connected_url else servers[0]
+        return f"nats-server {nc._server_info.get('version', '?')} at {where}"
     finally:
         await nc.close()
 
 
 def check_nats(ctx: DoctorContext) -> CheckResult:
     """NATS_SERVER (when set) accepts a connection and answers a PING."""
-    servers = [s.strip() for s in (ctx.config.nats_server or "").split(",") if s.strip()]
+    servers = [s.strip() for s in (ctx.cfg.nats_server or "").split(",") if s.strip()]
     if not servers:
         return skip("NATS_SERVER not set (commands over gRPC, no KV events)")
     try:
@@ -108,7 +109,7 @@ def _owner(uid: int) -> str:
 
 def check_socket_dir(ctx: DoctorContext) -> CheckResult:
     """The unix-socket directory is ours, a real directory, mode 0700 (ssh-agent's rules)."""
-    path = ctx.config.resolved_socket_dir
+    path = ctx.cfg.resolved_socket_dir
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -118,11 +119,11 @@ def check_socket_dir(ctx: DoctorContext) -> CheckResult:
                     "intercept the leader's plan secret", f"remove the link (rm {path}); the daemons create a "
                     "real 0700 directory")
     if not stat.S_ISDIR(st.st_mode):
-        return fail(f"{path} is not a directory", f"remove it, or set DYN_KVBM_SOCKET_DIR elsewhere")
+        return fail(f"{path} is not a directory", "remove it, or set DYN_KVBM_SOCKET_DIR elsewhere")
     mode = stat.S_IMODE(st.st_mode)
     if st.st_uid != os.geteuid():
         return fail(f"{path} is owned by {_owner(st.st_uid)}, not by {_owner(os.geteuid())}",
-                    f"remove it (it may be another user's), or set DYN_KVBM_SOCKET_DIR to a directory of yours")
+                    "remove it (it may be another user's), or set DYN_KVBM_SOCKET_DIR to a directory of yours")
     if mode & 0o077:
         return fail(f"{path} has mode {mode:04o}: other users can reach the leader's and workers' sockets",
                     f"chmod 700 {path}", mode=f"{mode:04o}")
@@ -141,7 +142,7 @@ def _serves_kvbm_metrics(addr: str, port: int, timeout: float) -> bool:
 
 def check_metrics_port(ctx: DoctorContext) -> CheckResult:
     """With DYN_KVBM_METRICS on, the /metrics port is free (or already this node's leader's)."""
-    cfg = ctx.config
+    cfg = ctx.cfg
     if not cfg.metrics:
         return skip("metrics off (DYN_KVBM_METRICS)")
     where = f"{cfg.metrics_addr}:{cfg.metrics_port}"
@@ -161,7 +162,8 @@ def check_metrics_port(ctx: DoctorContext) -> CheckResult:
     if ctx.node().running and _serves_kvbm_metrics(cfg.metrics_addr, cfg.metrics_port, ctx.options.timeout_s):
         return ok(f"{where} in use by this node's leader (serves kvbm_* metrics)")
     return fail(f"{where} is in use by another process: the leader would fail to start",
-                f"set DYN_KVBM_METRICS_PORT to a free port, or stop that process (`ss -ltnp 'sport = :{cfg.metrics_port}'`)")
+                "set DYN_KVBM_METRICS_PORT to a free port, or stop that process "
+                f"(`ss -ltnp 'sport = :{cfg.metrics_port}'`)")
 
 
 CHECKS = (

@@ -45,21 +45,21 @@ def node_shards(ctx: DoctorContext) -> tuple[list[int], str] | None:
         workers = lay.workers or ctx.options.num_workers
         return [lay.num_layers * lay.page_bytes] * workers, \
             f"--layout {workers} worker(s) x {lay.num_layers} layers x {lay.page_bytes} B"
-    node = ctx.node()
-    if node.running and node.status.workers and all(w.HasField("layout") for w in node.status.workers):
-        shards = [w.layout.num_layers * w.layout.page_bytes for w in node.status.workers]
+    st = ctx.node().status
+    if st is not None and st.workers and all(w.HasField("layout") for w in st.workers):
+        shards = [w.layout.num_layers * w.layout.page_bytes for w in st.workers]
         return shards, f"the running node's {len(shards)} worker(s)"
     return None
 
 
 def _sizes(ctx: DoctorContext) -> PoolSizes | None:
     shards = node_shards(ctx)
-    return None if shards is None else pool_sizes(ctx.config, shards[0])
+    return None if shards is None else pool_sizes(ctx.cfg, shards[0])
 
 
 def tier_bytes(ctx: DoctorContext, tier: Tier) -> int | None:
     """What a tier will occupy (padding included when the layout is known), None if unknown."""
-    cfg = ctx.config
+    cfg = ctx.cfg
     sizes = _sizes(ctx)
     if sizes is not None:
         return sizes.host_bytes if tier is Tier.HOST else sizes.disk_bytes
@@ -74,8 +74,8 @@ def check_pools(ctx: DoctorContext) -> CheckResult:
     if shards is None:
         return skip("layout unknown: pass --layout LAYERS:PAGE_BYTES[:WORKERS], or run it while "
                     "the engine is registered")
-    sizes = pool_sizes(ctx.config, shards[0])
-    cfg = ctx.config
+    sizes = pool_sizes(ctx.cfg, shards[0])
+    cfg = ctx.cfg
     text = (f"block {machine.fmt_bytes(sizes.block_bytes)} ({shards[1]}): "
             f"G2 {sizes.host_slots} blocks ({machine.fmt_bytes(sizes.host_bytes)}), "
             f"G3 {sizes.disk_slots} blocks ({machine.fmt_bytes(sizes.disk_bytes)})")
@@ -88,9 +88,9 @@ def check_pools(ctx: DoctorContext) -> CheckResult:
         tier, env = empty[0]
         return fail(f"{text}: {tier} is smaller than one block",
                     f"raise {env} to at least {sizes.block_bytes / 1e9:.3g} GB (one block)", **data)
-    node = ctx.node()
-    if node.running and ctx.options.layout is None:
-        running = {Tier(t.tier).label: t.capacity_blocks for t in node.status.tiers}
+    st = ctx.node().status
+    if st is not None and ctx.options.layout is None:
+        running = {Tier(t.tier).label: t.capacity_blocks for t in st.tiers}
         planned = {"G2": sizes.host_slots, "G3": sizes.disk_slots}
         differ = [f"{t} {running[t]} vs {planned[t]}" for t in running if running[t] != planned.get(t)]
         if differ:
@@ -101,11 +101,11 @@ def check_pools(ctx: DoctorContext) -> CheckResult:
 
 def check_host_memory(ctx: DoctorContext) -> CheckResult:
     """G2 fits in the memory this machine (and its cgroup) can still give."""
-    if not ctx.config.host_enabled:
+    if not ctx.cfg.host_enabled:
         return skip("no G2 configured")
     mem = machine.memory()
-    node = ctx.node()
-    held = sum(w.host_bytes for w in node.status.workers) if node.running else 0
+    st = ctx.node().status
+    held = sum(int(w.host_bytes) for w in st.workers) if st is not None else 0
     if held:
         return ok(f"G2 already allocated by the running node ({machine.fmt_bytes(held)}); "
                   f"{mem.source} {machine.fmt_bytes(mem.available)} left", available=mem.available, host_bytes=held)
@@ -125,20 +125,25 @@ def check_host_memory(ctx: DoctorContext) -> CheckResult:
 
 
 def check_memlock(ctx: DoctorContext) -> CheckResult:
-    """``ulimit -l`` (RLIMIT_MEMLOCK) allows pinning G2 for CUDA workers."""
+    """``ulimit -l`` (RLIMIT_MEMLOCK) against G2 on a GPU node.
+
+    NOTE: measured on an H100 node (driver 580): ``cudaHostRegister`` and ``cudaMallocHost`` pinned
+    1 GiB under ``ulimit -l 64`` as an unprivileged user, so CUDA pinning (how the worker pins G2)
+    is not bound by this limit; ``mlock`` and RDMA memory registration are. Hence INFO, not WARN.
+    """
     if not ctx.options.gpus:
         return skip("CPU workers: G2 is not pinned (pass --gpus to check a GPU node)")
-    if not ctx.config.host_enabled:
+    if not ctx.cfg.host_enabled:
         return skip("no G2 configured")
     soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     limit = "unlimited" if soft == resource.RLIM_INFINITY else machine.fmt_bytes(soft)
     need = tier_bytes(ctx, Tier.HOST)
     if soft == resource.RLIM_INFINITY or (need is not None and need <= soft):
         return ok(f"ulimit -l {limit}", memlock=soft)
-    return warn(f"ulimit -l {limit} is below G2 ({machine.fmt_bytes(need) if need else 'size unknown'}): "
-                "page-locking G2 (NIXL/RDMA registration, mlock) can be refused",
-                "raise it: `ulimit -l unlimited`, systemd LimitMEMLOCK=infinity, docker --ulimit memlock=-1",
-                memlock=soft)
+    return info(f"ulimit -l {limit} is below G2 ({machine.fmt_bytes(need) if need else 'size unknown'}): "
+                "fine for CUDA pinning (cudaHostRegister is not limited by it), not for mlock or RDMA "
+                "registration", "only if something registers G2 for RDMA: `ulimit -l unlimited` "
+                "(systemd LimitMEMLOCK=infinity, docker --ulimit memlock=-1)", memlock=soft)
 
 
 def check_shm(ctx: DoctorContext) -> CheckResult:
@@ -176,7 +181,7 @@ def _own_files(directory: str, prefix: str) -> int:
 
 def check_disk_space(ctx: DoctorContext) -> CheckResult:
     """G3 fits in the free space of DYN_KVBM_DISK_CACHE_DIR's filesystem."""
-    cfg = ctx.config
+    cfg = ctx.cfg
     if not cfg.disk_enabled:
         return skip("no G3 configured")
     need = tier_bytes(ctx, Tier.DISK)

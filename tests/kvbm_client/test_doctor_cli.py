@@ -18,7 +18,8 @@ REPO = Path(__file__).resolve().parents[2]
 def env_of(tmp_path: Path, **extra: str) -> dict[str, str]:
     base = {k: v for k, v in os.environ.items()
             if not k.startswith("DYN_KVBM_") and k not in ("ETCD_ENDPOINTS", "NATS_SERVER")}
-    base.update({"PYTHONPATH": str(REPO), "DYN_KVBM_SOCKET_DIR": str(tmp_path / "sock"),
+    base.update({"PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))),
+                 "DYN_KVBM_SOCKET_DIR": str(tmp_path / "sock"),
                  "DYN_KVBM_DISK_CACHE_DIR": str(tmp_path / "disk")})
     base.update(extra)
     return base
