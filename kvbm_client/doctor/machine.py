@@ -4,6 +4,7 @@ Runs in ``kvbm doctor``; read-only probes of ``/proc``, ``/sys/fs/cgroup`` and `
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -15,6 +16,16 @@ def fmt_bytes(n: float) -> str:
             return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def gb_at_most(nbytes: float) -> str:
+    """``nbytes`` in GB (1e9, as DYN_KVBM_*_GB counts), three significant digits, rounded down
+    so that a remedy never suggests more than fits."""
+    gb = nbytes / 1e9
+    if gb <= 0:
+        return "0"
+    digits = max(0, 2 - math.floor(math.log10(gb)))
+    return f"{math.floor(gb * 10 ** digits) / 10 ** digits:g}"
 
 
 def meminfo(path: str = "/proc/meminfo") -> dict[str, int]:

@@ -6,11 +6,14 @@ failure: doctor is meant to run before ``kvbm serve`` as well as beside it.
 """
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 import grpc
 
 from ..contract import pb
 from ..ids import Tier
-from .base import Check, CheckResult, DoctorContext, NodeProbe, fail, info, ok, skip, warn
+from .base import Check, CheckFn, CheckResult, DoctorContext, NodeProbe, fail, info, ok, skip, warn
 
 #: Leader counters that only grow when something went wrong.
 FAILURE_COUNTERS = ("kvbm_failed_jobs", "kvbm_lost_blocks", "kvbm_commands_undelivered", "kvbm_kv_events_dropped")
@@ -19,10 +22,14 @@ WORKER_FAILURES = "jobs_failed"
 LOGS = "look at the leader's and workers' logs (DYN_LOG=debug logs every decision)"
 
 
-def _running(ctx: DoctorContext) -> tuple[NodeProbe, "pb.StatusResponse"] | None:
-    """The probe and the leader's answer, or None when no node is running."""
-    node = ctx.node()
-    return None if node.status is None else (node, node.status)
+def on_running_node(fn: Callable[[NodeProbe, "pb.StatusResponse"], CheckResult]) -> CheckFn:
+    """A check of the running node: skipped when none runs, else given the probe and the
+    leader's Status answer."""
+    @functools.wraps(fn)
+    def check(ctx: DoctorContext) -> CheckResult:
+        node = ctx.node()
+        return skip("node not running") if node.status is None else fn(node, node.status)
+    return check
 
 
 def check_leader(ctx: DoctorContext) -> CheckResult:
@@ -44,44 +51,40 @@ def check_leader(ctx: DoctorContext) -> CheckResult:
     return info(f"{text} (pools are allocated once the engine registers its KV cache)", running=True, state=st.state)
 
 
-def _worker_line(worker_id: str, answer) -> tuple[str, str]:
-    """(state, text) of one worker as it answered its own Status, or its error."""
+def _worker_line(leader_view: "pb.WorkerInfo", answer: "pb.WorkerStatusResponse | str") -> tuple[str, str]:
+    """(state, text) of one worker: its state as the leader tracks it (waiting-for-engine,
+    allocating, ready, failed), or "unreachable" when the worker itself does not answer."""
+    wid = leader_view.worker_id
     if isinstance(answer, str):
-        return "unreachable", f"{worker_id}: unreachable ({answer})"
-    w = answer.info
-    progress = f" {w.alloc_progress * 100:.0f}%" if w.state == "allocating" else ""
+        return "unreachable", f"{wid}: unreachable ({answer})"
+    state = leader_view.state
+    progress = f" {answer.info.alloc_progress * 100:.0f}%" if state == "allocating" else ""  # the worker knows best
     backend = f", G3 via {answer.disk_backend}" if answer.disk_backend else ""
-    return w.state, f"{worker_id}: {w.state}{progress}{backend}"
+    return state, f"{wid}: {state}{progress}{backend}"
 
 
-def check_workers(ctx: DoctorContext) -> CheckResult:
+@on_running_node
+def check_workers(node: NodeProbe, st: "pb.StatusResponse") -> CheckResult:
     """Every worker the leader lists answers its own Status; their pools are allocated."""
-    running = _running(ctx)
-    if running is None:
-        return skip("node not running")
-    node, _st = running
-    if not node.workers:
+    if not st.workers:
         return warn("no worker attached to the leader", "start kvbm-worker (kvbm serve starts them)")
-    lines = [_worker_line(wid, answer) for wid, answer in sorted(node.workers.items())]
+    lines = [_worker_line(w, node.workers.get(w.worker_id, "not asked")) for w in st.workers]
     states = [state for state, _ in lines]
     text = "; ".join(t for _, t in lines)
-    data = {"states": dict(zip(sorted(node.workers), states))}
+    data = {"states": {w.worker_id: state for w, state in zip(st.workers, states)}}
     if "unreachable" in states:
         return fail(text, f"a worker the leader lists does not answer: {LOGS}", **data)
     if "failed" in states:
-        return fail(text, "pool allocation failed: the worker log says why (memory, disk, init timeout); "
-                    "`kvbm doctor` checks above name the usual causes", **data)
+        return fail(text, "pool allocation failed: the worker's log says why (memory, disk, init timeout); "
+                    "the config.* and disk.* checks name the usual causes", **data)
     if all(s == "ready" for s in states):
         return ok(text, **data)
     return info(text, "pools are allocated when the engine registers its KV cache", **data)
 
 
-def check_pools(ctx: DoctorContext) -> CheckResult:
+@on_running_node
+def check_pools(_node: NodeProbe, st: "pb.StatusResponse") -> CheckResult:
     """Pools as the leader holds them: capacity, use, pins and hit rates per tier."""
-    running = _running(ctx)
-    if running is None:
-        return skip("node not running")
-    _node, st = running
     if not st.tiers:
         return info("no pools yet (the engine has not registered its KV cache)")
     parts, data = [], {}
@@ -99,13 +102,10 @@ def check_pools(ctx: DoctorContext) -> CheckResult:
     return ok(text, **data)
 
 
-def check_failures(ctx: DoctorContext) -> CheckResult:
+@on_running_node
+def check_failures(node: NodeProbe, st: "pb.StatusResponse") -> CheckResult:
     """Counters of failures since the leader started: failed jobs, lost blocks, undelivered
     commands, dropped events, and each worker's failed copies."""
-    running = _running(ctx)
-    if running is None:
-        return skip("node not running")
-    node, st = running
     counts = {name: st.counters.get(name, 0.0) for name in FAILURE_COUNTERS}
     for wid, answer in node.workers.items():
         if not isinstance(answer, str):

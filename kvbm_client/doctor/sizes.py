@@ -105,7 +105,7 @@ def check_host_memory(ctx: DoctorContext) -> CheckResult:
         return skip("no G2 configured")
     mem = machine.memory()
     st = ctx.node().status
-    held = sum(int(w.host_bytes) for w in st.workers) if st is not None else 0
+    held = sum(int(w.host_bytes) for w in st.workers if w.state == "ready") if st is not None else 0
     if held:
         return ok(f"G2 already allocated by the running node ({machine.fmt_bytes(held)}); "
                   f"{mem.source} {machine.fmt_bytes(mem.available)} left", available=mem.available, host_bytes=held)
@@ -114,13 +114,13 @@ def check_host_memory(ctx: DoctorContext) -> CheckResult:
         return skip("G2 given in blocks: pass --layout LAYERS:PAGE_BYTES[:WORKERS] to size it in bytes")
     text = f"G2 {machine.fmt_bytes(need)}, {mem.source} {machine.fmt_bytes(mem.available)}"
     data = {"host_bytes": need, "available": mem.available}
-    fit_gb = mem.available * HEADROOM / 1e9
+    fit_gb = machine.gb_at_most(mem.available * HEADROOM)
     if need > mem.available:
         return fail(f"{text}: G2 does not fit; the workers would be OOM-killed while allocating",
-                    f"lower DYN_KVBM_CPU_CACHE_GB to at most {fit_gb:.1f} (leaving room for the engine)", **data)
+                    f"lower DYN_KVBM_CPU_CACHE_GB to at most {fit_gb} (leaving room for the engine)", **data)
     if need > mem.available * HEADROOM:
         return warn(f"{text}: less than {1 - HEADROOM:.0%} left for the engine and the OS",
-                    f"consider DYN_KVBM_CPU_CACHE_GB <= {fit_gb:.1f}", **data)
+                    f"consider DYN_KVBM_CPU_CACHE_GB <= {fit_gb}", **data)
     return ok(text, **data)
 
 
@@ -194,7 +194,7 @@ def check_disk_space(ctx: DoctorContext) -> CheckResult:
     data = {"disk_bytes": need, "free": free}
     if need > free:
         return fail(f"{text}: the disk is too small; sizing the G3 file would fail (ENOSPC)",
-                    f"lower DYN_KVBM_DISK_CACHE_GB to at most {free * 0.9 / 1e9:.1f}, free space, or point "
+                    f"lower DYN_KVBM_DISK_CACHE_GB to at most {machine.gb_at_most(free * 0.9)}, free space, or point "
                     "DYN_KVBM_DISK_CACHE_DIR at a larger disk", **data)
     if need > free * 0.9:
         return warn(f"{text}: G3 would fill the filesystem to over 90 %",

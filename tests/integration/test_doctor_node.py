@@ -138,3 +138,18 @@ def test_killed_leader_is_not_running(make_node) -> None:
     _code, checks = doctor(node)
     assert checks["node.leader"]["status"] == "info"
     assert checks["node.leader"]["message"].startswith("not running")
+
+
+def test_failed_pool_allocation_is_explained(make_node) -> None:
+    """G2 of 800 GB: the worker's pool allocation fails (ENOMEM); doctor names both ends.
+    4 MiB blocks keep the leader's slot table small (200 k slots)."""
+    node = make_node(DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS="", DYN_KVBM_CPU_CACHE_GB="800")
+    node.client().register_region("0", node.engine(num_blocks=4, num_layers=4, page_bytes=1 << 20).spec())
+    wait_until(lambda: node.status().workers[0].state == "failed")
+    code, checks = doctor(node)
+    workers = checks["node.workers"]
+    assert workers["status"] == "fail" and workers["message"] == "0: failed"
+    assert workers["remedy"].startswith("pool allocation failed: the worker's log says why")
+    memory = checks["config.host_memory"]
+    assert memory["status"] == "fail" and "G2 does not fit" in memory["message"]
+    assert code == 1

@@ -12,7 +12,7 @@ from kvbm_client.config import KvbmConfig
 from kvbm_client.doctor import sizes
 from kvbm_client.doctor.base import DoctorContext, DoctorOptions, LayoutArg, Status
 from kvbm_client.doctor.cli import context_from_args
-from kvbm_client.doctor.machine import memory
+from kvbm_client.doctor.machine import gb_at_most, memory
 from kvbm_client.sizing import PoolSizes, pool_sizes, slot_stride, tier_slots
 
 
@@ -155,3 +155,10 @@ def test_memlock_ok_when_g2_fits(tmp_path: Path, memlock_64k) -> None:
 def test_memlock_skipped_for_cpu_workers(tmp_path: Path) -> None:
     result = sizes.check_memlock(ctx_of(tmp_path, DYN_KVBM_CPU_CACHE_GB="1"))
     assert result.status is Status.SKIP and "CPU workers" in result.message
+
+
+def test_gb_suggestions_round_down() -> None:
+    assert gb_at_most(52_300_000) == "0.0523"
+    assert gb_at_most(18_987_000_000) == "18.9"
+    assert gb_at_most(123_900_000_000) == "123"
+    assert gb_at_most(0) == "0"

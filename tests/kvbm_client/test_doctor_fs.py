@@ -181,7 +181,7 @@ def test_disk_space_fails_on_a_full_disk(tmp_path: Path, tiny: Path) -> None:
     result = sizes.check_disk_space(ctx_of(tmp_path, tiny))
     assert result.status is Status.FAIL
     assert "the disk is too small; sizing the G3 file would fail (ENOSPC)" in result.message
-    assert result.remedy.startswith("lower DYN_KVBM_DISK_CACHE_GB to at most 0.0")
+    assert result.remedy.startswith("lower DYN_KVBM_DISK_CACHE_GB to at most 0.000235, ")  # 90 % of 256 KiB
 
 
 def test_disk_space_ok(tmp_path: Path) -> None:
