@@ -10,7 +10,10 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from kvbm_client import sequence_hashes
+from kvbm_client.doctor.machine import meminfo
 
 from conftest import Node
 
@@ -141,9 +144,14 @@ def test_killed_leader_is_not_running(make_node) -> None:
 
 
 def test_failed_pool_allocation_is_explained(make_node) -> None:
-    """G2 of 800 GB: the worker's pool allocation fails (ENOMEM); doctor names both ends.
-    4 MiB blocks keep the leader's slot table small (200 k slots)."""
-    node = make_node(DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS="", DYN_KVBM_CPU_CACHE_GB="800")
+    """G2 of 4x the machine's RAM: the worker's pool allocation fails (ENOMEM); doctor names
+    both ends. 4 MiB blocks keep the leader's slot table small."""
+    with open("/proc/sys/vm/overcommit_memory") as f:
+        if f.read().strip() == "1":
+            pytest.skip("vm.overcommit_memory=1 grants any mapping: the worker would be OOM-killed while "
+                        "touching G2 instead of failing its allocation")
+    g2_gb = 4 * meminfo()["MemTotal"] / 1e9
+    node = make_node(DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS="", DYN_KVBM_CPU_CACHE_GB=f"{g2_gb:.0f}")
     node.client().register_region("0", node.engine(num_blocks=4, num_layers=4, page_bytes=1 << 20).spec())
     wait_until(lambda: node.status().workers[0].state == "failed")
     code, checks = doctor(node)
