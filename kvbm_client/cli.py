@@ -233,6 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="machine-readable output")
     add_config_arguments(status, fields=("socket_dir", "leader_address"))
     status.set_defaults(func=cmd_status)
+    from .doctor.cli import add_doctor_parser  # kvbm doctor: its own package
+    add_doctor_parser(sub)
     return parser
 
 
