@@ -14,6 +14,7 @@ import signal
 import sys
 import time
 from types import FrameType
+from typing import Callable
 
 import grpc
 
@@ -201,7 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    command: Callable[[argparse.Namespace], int] = args.func
+    return command(args)
 
 
 if __name__ == "__main__":
