@@ -164,6 +164,7 @@ class LocalNode:
             NOTE: uses ``preexec_fn``, which is unsafe in a process with threads: for
             ``kvbm serve`` only.
         python: the interpreter that runs ``-m kvbm_leader`` / ``-m kvbm_worker``.
+        cwd: the daemons' working directory [default: this process's].
     """
 
     def __init__(self, env: Mapping[str, str], num_workers: int = 1, *, gpus: Sequence[int] | None = None,
@@ -176,10 +177,11 @@ class LocalNode:
         self.cwd = cwd
         self.leader_args = list(leader_args)
         self.worker_args = list(worker_args)
-        media = [["--gpu", str(d)] for d in gpus] if gpus else [["--cpu"]] * num_workers
-        self.media: dict[WorkerId, list[str]] = {WorkerId(str(i)): m for i, m in enumerate(media)}
-        self.leader = self._daemon("leader", LEADER_MODULE, ["--num-workers", str(len(media)), *leader_args])
-        self.workers: dict[WorkerId, Daemon] = {w: self._worker_daemon(w, ()) for w in self.media}
+        devices: list[int | None] = list(gpus) if gpus else [None] * num_workers
+        #: The planned workers and the CUDA device of each (None: a CPU worker).
+        self.devices: dict[WorkerId, int | None] = {WorkerId(str(i)): d for i, d in enumerate(devices)}
+        self.leader = self._leader_daemon(())
+        self.workers: dict[WorkerId, Daemon] = {w: self._worker_daemon(w, ()) for w in self.devices}
 
     # ------------------------------------------------------------------ where things are
     def config(self) -> KvbmConfig:
@@ -203,12 +205,18 @@ class LocalNode:
         log_path = self.log_dir / f"{name.replace(' ', '-')}.log" if self.log_dir is not None else None
         return Daemon(name, [self.python, "-m", module, *args], log_path)
 
+    def _leader_daemon(self, extra: Sequence[str]) -> Daemon:
+        args = ["--num-workers", str(len(self.devices)), *self.leader_args, *extra]
+        return self._daemon("leader", LEADER_MODULE, args)
+
     def _worker_daemon(self, worker_id: WorkerId, extra: Sequence[str]) -> Daemon:
-        medium = self.media.get(worker_id)
-        assert medium is not None or not any("--gpu" in m for m in self.media.values()), \
+        """Worker ``worker_id``: a planned one, or an extra CPU worker on a CPU node."""
+        device = self.devices.get(worker_id)
+        assert device is not None or all(d is None for d in self.devices.values()), \
             f"no GPU is planned for worker {worker_id}"
+        medium = ["--cpu"] if device is None else ["--gpu", str(device)]
         return self._daemon(f"worker {worker_id}", WORKER_MODULE,
-                            ["--worker-id", worker_id, *(medium or ["--cpu"]), *self.worker_args, *extra])
+                            ["--worker-id", worker_id, *medium, *self.worker_args, *extra])
 
     def spawn(self, daemon: Daemon) -> Daemon:
         """Start ``daemon`` (again, if it ran before and has exited)."""
@@ -230,7 +238,7 @@ class LocalNode:
     def start(self: _Node, wait: bool = True, timeout: float = READY_TIMEOUT) -> _Node:
         """Start the leader, then every planned worker; with ``wait``, until all have attached."""
         self.start_leader()
-        for worker_id in self.media:
+        for worker_id in self.devices:
             self.start_worker(worker_id)
         if wait:
             self.wait_attached(timeout=timeout)
@@ -238,12 +246,11 @@ class LocalNode:
 
     def start_leader(self, *extra: str) -> Daemon:
         """Start a leader (the previous one must have exited), with ``extra`` flags this time."""
-        args = ["--num-workers", str(len(self.media)), *self.leader_args, *extra]
-        self.leader = self.spawn(self._daemon("leader", LEADER_MODULE, args))
+        self.leader = self.spawn(self._leader_daemon(extra))
         return self.leader
 
     def start_worker(self, worker_id: str, *extra: str) -> Daemon:
-        """Start worker ``worker_id`` (a planned one, or an extra CPU worker), ``extra`` flags this time."""
+        """Start worker ``worker_id`` (the previous one must have exited), ``extra`` flags this time."""
         wid = WorkerId(worker_id)
         previous = self.workers.get(wid)
         assert previous is None or not previous.running, f"worker {worker_id} is already running"
@@ -252,7 +259,7 @@ class LocalNode:
 
     # ------------------------------------------------------------------ signals and stop
     def kill(self, daemon: Daemon, sig: int = signal.SIGKILL, timeout: float = STOP_TIMEOUT) -> int:
-        """Send ``sig`` to ``daemon`` and wait for it to exit; returns its exit code."""
+        """Send ``sig`` (one that ends it) to ``daemon`` and wait for the exit; returns its exit code."""
         daemon.send_signal(sig)
         return daemon.wait(timeout)
 
@@ -290,7 +297,7 @@ class LocalNode:
 
     def wait_attached(self, n: int | None = None, timeout: float = READY_TIMEOUT) -> pb.StatusResponse:
         """Until ``n`` workers (default: every planned one) have attached to the leader."""
-        want = len(self.media) if n is None else n
+        want = len(self.devices) if n is None else n
         return self._wait(lambda s: len(s.workers) >= want, f"{want} workers attached", want, timeout)
 
     def wait_ready(self, timeout: float = READY_TIMEOUT) -> pb.StatusResponse:

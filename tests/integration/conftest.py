@@ -58,7 +58,7 @@ class Node(LocalNode):
         """A client with one engine buffer registered on every worker, pools allocated."""
         c = self.client()
         engines = {}
-        for worker_id in self.media:
+        for worker_id in self.devices:
             engines[worker_id] = self.engine(num_blocks, num_layers, page_bytes, seed=int(worker_id))
             c.register_region(worker_id, engines[worker_id].spec())
         c.wait_ready(READY_TIMEOUT)
