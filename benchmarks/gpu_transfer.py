@@ -19,7 +19,6 @@ import glob
 import json
 import mmap
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -32,6 +31,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from provenance import header_line  # noqa: E402  (benchmarks/, on the path as the script's folder)
 
 TOKENS, LAYERS, HEADS, DIM = 16, 36, 8, 128
 BLOCK_BYTES = LAYERS * 2 * TOKENS * HEADS * DIM * 2
@@ -218,41 +218,24 @@ def bench_mechanisms(matmul: Matmul) -> None:
 
 # ---------------------------------------------------------------------------- daemons
 class Node:
-    def __init__(self, root: Path, **env) -> None:
-        self.root = root
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("DYN_KVBM_")}
-        self.env.update(DYN_KVBM_SOCKET_DIR=str(root / "s"), DYN_KVBM_DISK_CACHE_DIR=str(root / "disk"),
-                        DYN_LOG="info", DYN_KVBM_HOST_FREE_WATERMARK="0", DYN_KVBM_JOB_TIMEOUT_SECS="60",
-                        PYTHONUNBUFFERED="1", **env)
-        log = open(root / "daemons.log", "ab")
-        self.procs = [subprocess.Popen([sys.executable, "-m", "kvbm_leader"], env=self.env, stdout=log, stderr=log,
-                                       cwd=ROOT),
-                      subprocess.Popen([sys.executable, "-m", "kvbm_worker", "--gpu", "0", "--no-nixl"], env=self.env,
-                                       stdout=log, stderr=log, cwd=ROOT)]
-        from kvbm_client import KvbmClient, KvbmConfig
-        self.client = KvbmClient(KvbmConfig.from_env(self.env), timeout=60)
-        wait_attached(self.client, self.procs)
+    """A leader and one ``--gpu 0`` worker (logs in ``root``) and this process's client of them."""
 
+    def __init__(self, root: Path, **env: str) -> None:
+        from kvbm_client import KvbmClient
+        from kvbm_client.local_node import LocalNode, isolated_env
+        self.node = LocalNode(isolated_env(root, {"DYN_LOG": "info", "DYN_KVBM_HOST_FREE_WATERMARK": "0",
+                                                  "DYN_KVBM_JOB_TIMEOUT_SECS": "60", **env}),
+                              gpus=[0], worker_args=["--no-nixl"], log_dir=root, cwd=ROOT)
+        try:
+            self.node.start(timeout=120.0)  # the GPU worker imports torch and creates its CUDA context first
+            self.client = KvbmClient(self.node.config(), timeout=60)
+        except BaseException:
+            self.node.stop()
+            raise
 
     def stop(self) -> None:
         self.client.close()
-        for p in reversed(self.procs):
-            p.send_signal(signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-
-
-def wait_attached(client, procs, timeout: float = 120.0) -> None:
-    """The GPU worker imports torch and creates its CUDA context before it attaches."""
-    end = time.monotonic() + timeout
-    while "0" not in client.workers:
-        if time.monotonic() > end or any(p.poll() is not None for p in procs):
-            raise RuntimeError("worker did not attach")
-        time.sleep(0.2)
-        client.refresh_workers()
+        self.node.stop(30.0)
 
 
 def fresh(n: int) -> list[bytes]:
@@ -433,6 +416,7 @@ def main() -> int:
         return 0
     skip = set(args.skip.split(","))
     import torch
+    header = header_line()
     import cuda.bindings
     emit(what="env", torch=torch.__version__, gpu=torch.cuda.get_device_name(), cuda_bindings=cuda.bindings.__version__,
          block_bytes=BLOCK_BYTES, layout="16 tok x 36 layers x 8 heads x 128 dim bf16")
@@ -482,6 +466,7 @@ def main() -> int:
             bench_disk(root / "g3", kvs["cross"], "cross")
     finally:
         with open(args.out, "w") as f:
+            f.write(header)
             for row in OUT:
                 f.write(json.dumps(row) + "\n")
     return 0

@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 import torch
+from provenance import provenance
 
 
 def timed(fn, reps: int) -> float:
@@ -39,6 +40,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    record = provenance()
     block = int(args.block_mib * (1 << 20))
     n = args.blocks
     nbytes = n * block
@@ -109,11 +111,11 @@ def main() -> None:
     ref = results["one cudaMemcpyAsync"]
     rows = [{"way": k, "ms": round(v * 1e3, 2), "GB_s": round(nbytes / v / 1e9, 1), "vs_one_copy": round(ref / v, 3)}
             for k, v in results.items()]
-    summary = {"bytes": nbytes, "blocks": n, "block_bytes": block, "device": torch.cuda.get_device_name(0),
-               "rows": rows}
+    summary = {"provenance": record, "bytes": nbytes, "blocks": n, "block_bytes": block,
+               "device": torch.cuda.get_device_name(0), "rows": rows}
     for r in rows:
         print(f"{r['way']:<46} {r['ms']:8.2f} ms {r['GB_s']:6.1f} GB/s  {r['vs_one_copy']:.3f}x")
-    print(json.dumps(summary))
+    print(json.dumps({k: v for k, v in summary.items() if k != "provenance"}))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=1)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import signal
 import statistics
@@ -29,6 +28,8 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from provenance import provenance
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -116,18 +117,16 @@ def wait_http(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
 
 
 def compare_vllm_cpu(args) -> dict:
+    from kvbm_client.local_node import LocalNode, isolated_env
     work = Path(tempfile.mkdtemp(prefix="kvbm-mrqa-"))
     model = work / "model"
     subprocess.run([args.vllm_python, str(REPO / "tests/vllm_support/make_tiny_model.py"), str(model)], check=True,
                    capture_output=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DYN_KVBM_")}
-    env.update(DYN_KVBM_SOCKET_DIR=str(work / "sock"), DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS=str(args.g2_blocks),
-               VLLM_CACHE_ROOT=str(work / "vc"), VLLM_CPU_OMP_THREADS_BIND="0")
-    logs = open(work / "daemons.log", "ab")
-    kvbm = [subprocess.Popen([sys.executable, "-m", m, *a], env=env, stdout=logs, stderr=logs)
-            for m, a in (("kvbm_leader", []), ("kvbm_worker", ["--cpu"]))]
+    env = isolated_env(work, {"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": args.g2_blocks,
+                              "VLLM_CACHE_ROOT": work / "vc", "VLLM_CPU_OMP_THREADS_BIND": "0"})
     results = {}
-    try:
+    with LocalNode(env, 1, log_dir=work) as kvbm:
+        kvbm.start()
         for system in ("baseline", "kvbm"):
             port = 18000 + random.randrange(1000)
             cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
@@ -152,10 +151,6 @@ def compare_vllm_cpu(args) -> dict:
                     server.wait(60)
                 except subprocess.TimeoutExpired:
                     server.kill()
-    finally:
-        for p in reversed(kvbm):
-            p.send_signal(signal.SIGTERM)
-            p.wait(30)
     return results
 
 
@@ -177,6 +172,7 @@ def main() -> int:
     p.add_argument("--g2-blocks", type=int, default=2048, help="kvbm G2 blocks")
     p.add_argument("--json", help="write the full results here")
     args = p.parse_args()
+    record = provenance()
     if args.compare_vllm_cpu:
         results = compare_vllm_cpu(args)
     elif args.url:
@@ -195,8 +191,8 @@ def main() -> int:
               f"hit rate {b['warm_hit_rate']:.2f} -> {k['warm_hit_rate']:.2f}, "
               f"outputs identical: {b['outputs'] == k['outputs']}")
     if args.json:
-        Path(args.json).write_text(json.dumps({n: {k: v for k, v in r.items() if k != 'rows'}
-                                               for n, r in results.items()}, indent=1))
+        Path(args.json).write_text(json.dumps({"provenance": record, **{n: {k: v for k, v in r.items() if k != 'rows'}
+                                                                          for n, r in results.items()}}, indent=1))
     return 0
 
 

@@ -163,6 +163,10 @@ def main():
                    num_key_value_heads=2, head_dim=64, vocab_size=152000)
     with open(os.path.join(args.model, "config.json"), "w") as f:
         json.dump(cfg, f)
+    if args.out:  # one provenance line per harness run; ttft_breakdown.py reads only the rows with "rows"
+        from provenance import header_line
+        with open(args.out, "a") as f:
+            f.write(header_line())
     for name in args.systems.split(","):
         _, env = system_kwargs(name, args.g2_gb)
         cmd = [sys.executable, __file__, "--engine", "--system", name, "--model", args.model,

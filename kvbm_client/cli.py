@@ -1,117 +1,86 @@
 """``kvbm``: the operator's command. ``kvbm serve`` runs a node (leader + workers as child
 processes, restarted if they crash); ``kvbm status`` shows pools, hit rates and workers.
 
-The daemons are started by module name (``python -m kvbm_leader`` / ``kvbm_worker``): this
-package never imports them.
+Runs in the operator's shell. Spawning and stopping the daemons is
+:class:`kvbm_client.local_node.LocalNode`'s (by module name: this package never imports them);
+the restart policy is :class:`Supervisor`'s.
 """
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from types import FrameType
+from typing import Callable
 
 import grpc
 
 from .config import KvbmConfig, add_config_arguments, config_from_args, config_to_env
-from .channels import open_channel
-from .contract import pb, rpc
+from .contract import pb
 from .errors import KvbmConfigError
 from .ids import Tier
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
-
-
-@dataclass
-class Child:
-    name: str
-    argv: list[str]
-    proc: subprocess.Popen | None = None
-    restarts: int = 0
-    next_start: float = 0.0
-
+from .local_node import STOP_TIMEOUT, Daemon, LocalNode, leader_status, worker_status
 
 class Supervisor:
-    """Starts the node's daemons and restarts any that dies (backoff up to 5 s)."""
+    """``kvbm serve``'s restart policy over a :class:`LocalNode`: a daemon that exits while the
+    node serves is started again after a backoff (0.4 s, doubling, at most 5 s). Starting and
+    stopping (workers first, then the leader) are the node's."""
 
     def __init__(self, config: KvbmConfig, num_workers: int, extra_env: dict[str, str], debug: bool,
                  gpus: list[int] | None = None) -> None:
-        self.config = config
-        self.env = {**os.environ, **config_to_env(config), **extra_env}
+        env = {**os.environ, **config_to_env(config), **extra_env}
         if debug:
-            self.env["DYN_LOG"] = "debug"
-        py = sys.executable
+            env["DYN_LOG"] = "debug"
         # One worker per GPU (worker i serves device gpus[i], rank i), or CPU workers.
-        media = [["--gpu", str(d)] for d in gpus] if gpus else [["--cpu"]] * num_workers
-        self.leader = Child("leader", [py, "-m", "kvbm_leader", "--num-workers", str(len(media))])
-        self.workers = [Child(f"worker {i}", [py, "-m", "kvbm_worker", "--worker-id", str(i), *medium])
-                        for i, medium in enumerate(media)]
+        self.node = LocalNode(env, num_workers, gpus=gpus, detach=True)
+        self.restarts: dict[str, int] = {}
+        self.due: dict[str, float] = {}  # daemon name -> when to start it again
         self.stopping = False
 
     @property
-    def children(self) -> list[Child]:
-        return [self.leader, *self.workers]
+    def env(self) -> dict[str, str]:
+        return self.node.env
 
-    def spawn(self, child: Child) -> None:
-        # Own process group: a terminal's Ctrl-C reaches only the supervisor, which then stops
-        # the daemons in order; PDEATHSIG still takes them down if the supervisor is killed.
-        child.proc = subprocess.Popen(child.argv, env=self.env, preexec_fn=_die_with_parent,
-                                      start_new_session=True)
+    @property
+    def leader(self) -> Daemon:
+        return self.node.leader
+
+    @property
+    def workers(self) -> list[Daemon]:
+        return list(self.node.workers.values())
+
+    def start(self) -> None:
+        self.node.start(wait=False)
 
     def poll(self) -> None:
+        """Notice exited daemons and start those whose backoff has passed."""
         now = time.monotonic()
-        for child in self.children:
-            if child.proc is not None and child.proc.poll() is not None and not self.stopping:
-                code = child.proc.returncode
-                child.restarts += 1
-                delay = min(5.0, 0.2 * 2 ** min(child.restarts, 5))
-                print(f"kvbm: {child.name} exited with {code}; restarting in {delay:.1f}s", file=sys.stderr,
-                      flush=True)
-                child.proc, child.next_start = None, now + delay
-            if child.proc is None and not self.stopping and now >= child.next_start:
-                self.spawn(child)
+        for daemon in self.node.daemons:
+            if self.stopping:
+                return
+            if daemon.name not in self.due and daemon.exited:
+                restarts = self.restarts[daemon.name] = self.restarts.get(daemon.name, 0) + 1
+                delay = min(5.0, 0.2 * 2 ** min(restarts, 5))
+                print(f"kvbm: {daemon.name} exited with {daemon.returncode}; restarting in {delay:.1f}s",
+                      file=sys.stderr, flush=True)
+                self.due[daemon.name] = now + delay
+            if daemon.name in self.due and now >= self.due[daemon.name]:
+                del self.due[daemon.name]
+                self.node.spawn(daemon)
 
-    def stop(self, timeout: float = 15.0) -> None:
+    def stop(self, timeout: float = STOP_TIMEOUT) -> None:
         """Workers first (they remove their disk files), then the leader."""
         self.stopping = True
-        for group in (self.workers, [self.leader]):
-            for child in group:
-                if child.proc is not None and child.proc.poll() is None:
-                    child.proc.send_signal(signal.SIGTERM)
-            end = time.monotonic() + timeout
-            for child in group:
-                if child.proc is None:
-                    continue
-                try:
-                    child.proc.wait(max(0.1, end - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    print(f"kvbm: {child.name} did not stop in {timeout:g}s; killing it", file=sys.stderr)
-                    child.proc.kill()
-                    child.proc.wait()
+        self.node.stop(timeout)
 
 
-def _status(address: str, timeout: float = 5.0, config: KvbmConfig | None = None) -> "pb.StatusResponse":
-    with open_channel(address, config or KvbmConfig.from_env()) as channel:
-        return rpc.LeaderStub(channel).Status(pb.StatusRequest(), timeout=timeout)
-
-
-def _alloc_progress(worker: "pb.WorkerInfo") -> float:
+def _alloc_progress(worker: "pb.WorkerInfo", config: KvbmConfig) -> float:
     """A worker that is allocating knows its progress before the leader does: ask it."""
     try:
-        with open_channel(worker.endpoint, KvbmConfig.from_env()) as channel:
-            return rpc.WorkerStub(channel).Status(pb.WorkerStatusRequest(), timeout=1.0).info.alloc_progress
+        return worker_status(worker.endpoint, timeout=1.0, config=config).info.alloc_progress
     except grpc.RpcError:
         return worker.alloc_progress
 
@@ -130,9 +99,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     sup = Supervisor(config, args.workers, {}, args.debug, gpus)
     expected_workers = len(sup.workers)
-    stop = {"signal": None}
+    stop: dict[str, int | None] = {"signal": None}
 
-    def on_signal(signum, _frame) -> None:
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
         stop["signal"] = signum
 
     signal.signal(signal.SIGINT, on_signal)
@@ -141,14 +110,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     announced = False
     started = time.monotonic()
     try:
-        sup.spawn(sup.leader)
-        for worker in sup.workers:
-            sup.spawn(worker)
+        sup.start()
         while stop["signal"] is None:
             sup.poll()
             if not announced:
                 try:
-                    status = _status(address, 1.0, config)
+                    status = leader_status(address, 1.0, config)
                     if len(status.workers) == expected_workers:
                         announced = True
                         metrics = (f"http://{config.metrics_addr}:{config.metrics_port}/metrics"
@@ -180,8 +147,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     address = args.leader or config.resolved_leader_address
     try:
-        status = _status(address, config=config)
-    except KvbmConfigError as exc:
+        status = leader_status(address, 5.0, config)
+    except KvbmConfigError as exc:  # e.g. a socket dir that is not ours
         print(f"kvbm status: {exc}", file=sys.stderr)
         return 2
     except grpc.RpcError as exc:
@@ -201,7 +168,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         lay = w.layout
         shape = f"{lay.num_layers} layers x {lay.page_bytes} B, {lay.num_engine_blocks} engine blocks" \
             if w.HasField("layout") else "no engine yet"
-        alloc = f" ({_alloc_progress(w) * 100:.0f}% allocated)" if w.state == "allocating" else ""
+        alloc = f" ({_alloc_progress(w, config) * 100:.0f}% allocated)" if w.state == "allocating" else ""
         print(f"  worker {w.worker_id} rank {w.rank}: {w.state}{alloc}; {shape}; "
               f"G2 {_fmt_bytes(w.host_bytes)}, G3 {_fmt_bytes(w.disk_bytes)}; {w.endpoint}")
     c = status.counters
@@ -230,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
     status = sub.add_parser("status", help="print pools, hit rates and workers of the local node")
     status.add_argument("--leader", default=None, help="leader address [default: the local socket]")
-    status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.add_argument("--json", action="store_true", help="print the whole status as JSON (machine-readable)")
     add_config_arguments(status, fields=("socket_dir", "leader_address"))
     status.set_defaults(func=cmd_status)
     from .doctor.cli import add_doctor_parser  # kvbm doctor: its own package
@@ -240,7 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    command: Callable[[argparse.Namespace], int] = args.func
+    return command(args)
 
 
 if __name__ == "__main__":

@@ -2,70 +2,49 @@
 module skips cleanly elsewhere. Daemons run as child processes on real unix sockets."""
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
+from typing import Any, Callable, Iterator
 
 import pytest
 
-from gpu_support import cuda_ready  # noqa: F401  (re-exported for the fixtures)
+from gpu_support import GPU_READY_TIMEOUT, cuda_ready  # noqa: F401  (re-exported for the fixtures)
+from kvbm_client.local_node import LocalNode, isolated_env
 
 
-class GpuNode:
-    """A leader and one ``--gpu 0`` worker; the test process is the engine."""
+class GpuNode(LocalNode):
+    """A leader and one ``--gpu 0`` worker (logs in ``root``); the test process is the engine."""
 
     def __init__(self, root: Path, worker_args: tuple[str, ...] = (), **env: str) -> None:
+        super().__init__(isolated_env(root, {"DYN_LOG": "debug", "DYN_KVBM_HOST_FREE_WATERMARK": "0", **env}),
+                         gpus=[0], worker_args=("--no-nixl", *worker_args), log_dir=root)
         self.root = root
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("DYN_KVBM_")}
-        self.env.update(DYN_KVBM_SOCKET_DIR=str(root / "sock"), DYN_KVBM_DISK_CACHE_DIR=str(root / "disk"),
-                        DYN_LOG="debug", PYTHONUNBUFFERED="1", DYN_KVBM_HOST_FREE_WATERMARK="0")
-        self.env.update({k: str(v) for k, v in env.items()})
-        log = open(root / "daemons.log", "ab")
-        self.procs = [
-            subprocess.Popen([sys.executable, "-m", "kvbm_leader"], env=self.env, stdout=log, stderr=log),
-            subprocess.Popen([sys.executable, "-m", "kvbm_worker", "--gpu", "0", "--no-nixl", *worker_args],
-                             env=self.env, stdout=log, stderr=log)]
-        self.clients = []
+        self.clients: list[Any] = []
+        self.start(wait=False)
 
-    def client(self):
-        from kvbm_client import KvbmClient, KvbmConfig
-        c = KvbmClient(KvbmConfig.from_env(self.env), timeout=60)
+    def client(self) -> Any:
+        from kvbm_client import KvbmClient
+        self.wait_attached(timeout=GPU_READY_TIMEOUT)  # fails at once if a daemon died
+        c = KvbmClient(self.config(), timeout=60)
         self.clients.append(c)
-        end = time.monotonic() + 120  # the GPU worker imports torch and creates its context first
-        while "0" not in c.workers:
-            assert time.monotonic() < end and self.procs[1].poll() is None, self.log()[-3000:]
-            time.sleep(0.2)
-            c.refresh_workers()
         return c
 
     def log(self) -> str:
-        return (self.root / "daemons.log").read_text(errors="replace")
+        return self.log_tails(chars=1 << 20)
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 20.0) -> None:
         for c in self.clients:
             try:
                 c.close()
             except Exception:
                 pass
-        for p in reversed(self.procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        super().stop(timeout)
 
 
 @pytest.fixture
-def gpu_node(tmp_path):
-    nodes = []
+def gpu_node(tmp_path: Path) -> Iterator[Callable[..., GpuNode]]:
+    nodes: list[GpuNode] = []
 
-    def factory(*worker_args: str, **env) -> GpuNode:
+    def factory(*worker_args: str, **env: str) -> GpuNode:
         root = tmp_path / f"node{len(nodes)}"
         root.mkdir()
         nodes.append(GpuNode(root, worker_args, **env))

@@ -1,6 +1,9 @@
 """Whether this machine can run the GPU tests (imports nothing CUDA at module level)."""
 from __future__ import annotations
 
+#: Seconds for a GPU worker to attach: it imports torch and creates its CUDA context first.
+GPU_READY_TIMEOUT = 120.0
+
 
 def cuda_ready() -> str | None:
     """Why the GPU tests cannot run here, or None."""

@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
+from typing import IO, Callable
 
 import numpy as np
 import pytest
@@ -40,7 +43,6 @@ def test_kill_9_worker_gives_clear_error_then_recovers(make_node):
     # The worker comes back (as a supervisor would restart it); the engine re-registers.
     node.start_worker("0")
     node.wait_attached()
-    client.aio.regions.clear()
     client.register_region("0", engines["0"].spec())
     client.wait_ready(30)
     client.wait(client.offload(keys, [0, 1, 2, 3]))
@@ -71,7 +73,6 @@ def test_stale_disk_file_of_a_killed_worker_is_removed_at_next_start(make_node):
     assert len(stale) == 1
     node.start_worker("0")
     node.wait_attached()
-    client.aio.regions.clear()
     client.register_region("0", engines["0"].spec())
     client.wait_ready(30)
     files = list(node.disk_dir.glob("kvbm-disk-cache-*"))
@@ -118,6 +119,36 @@ def test_pins_of_a_dead_client_expire(make_node, tmp_path):
     assert "expired: releasing its pins" in (node.root / "leader.log").read_text()
 
 
+class Lines:
+    """The lines a child process prints, read on a thread, so that a wait for one has a deadline
+    even when the child hangs silently or has died (EOF)."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.seen: list[str] = []
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._pump, args=(stream,), daemon=True).start()
+
+    def _pump(self, stream: IO[str]) -> None:
+        for line in stream:
+            self._queue.put(line)
+        self._queue.put(None)
+
+    def wait_for(self, predicate: Callable[[str], bool], timeout: float) -> bool:
+        """Whether a line matching ``predicate`` comes within ``timeout`` seconds."""
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                line = self._queue.get(timeout=max(0.0, end - time.monotonic()))
+            except queue.Empty:
+                return False
+            if line is None:  # EOF: the child exited
+                self._queue.put(None)
+                return False
+            self.seen.append(line)
+            if predicate(line):
+                return True
+
+
 def _children_of(pid: int) -> list[int]:
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
     return [int(x) for x in out.stdout.split()]
@@ -130,15 +161,9 @@ def test_kvbm_serve_runs_and_stops_cleanly(tmp_path):
                PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "kvbm_client.cli", "serve", "--workers", "2"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
+    out = Lines(proc.stdout)
     try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            lines.append(line)
-            if line.startswith("kvbm serving"):
-                break
-        assert any(l.startswith("kvbm serving") for l in lines), "".join(lines)
+        assert out.wait_for(lambda line: line.startswith("kvbm serving"), 30), "".join(out.seen)
         children = _children_of(proc.pid)
         assert len(children) == 3
         from kvbm_client import KvbmClient, KvbmConfig, ShmKvBuffer
@@ -171,18 +196,14 @@ def test_kvbm_serve_restarts_a_crashed_worker(tmp_path):
                PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "kvbm_client.cli", "serve"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = Lines(proc.stdout)
     try:
-        while not proc.stdout.readline().startswith("kvbm serving"):
-            pass
+        assert out.wait_for(lambda line: line.startswith("kvbm serving"), 30), "".join(out.seen)
         worker = next(p for p in _children_of(proc.pid)
                       if b"kvbm_worker" in open(f"/proc/{p}/cmdline", "rb").read())
         os.kill(worker, signal.SIGKILL)
-        deadline = time.monotonic() + 20
-        restarted = False
-        while time.monotonic() < deadline and not restarted:
-            line = proc.stdout.readline()
-            restarted = "worker 0 exited with -9; restarting" in line
-        assert restarted
+        restarted = out.wait_for(lambda line: "worker 0 exited with -9; restarting" in line, 20)
+        assert restarted, "".join(out.seen)
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0

@@ -9,13 +9,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
 import pytest
+
+from kvbm_client.ids import WorkerId
+from kvbm_client.local_node import Daemon, LocalNode, isolated_env
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_VENV = Path(os.environ.get("KVBM_VLLM_VENV", REPO / ".venv-vllm"))
@@ -38,57 +37,37 @@ def tiny_model(vllm_python: Path, tmp_path_factory) -> Path:
     return out
 
 
-@dataclass
 class KvbmNode:
-    root: Path
-    env: dict
-    procs: dict = field(default_factory=dict)
+    """The tests' view of a :class:`LocalNode` of one CPU worker beside the engine: its two
+    daemons are named "leader" and "worker"; logs in the node's root."""
+
+    def __init__(self, node: LocalNode) -> None:
+        self.node = node
+        self.env = node.env
+
+    def _named(self, what: str) -> Daemon:
+        return self.node.leader if what == "leader" else self.node.workers[WorkerId("0")]
 
     def start(self, what: str) -> None:
-        module, extra = ("kvbm_leader", []) if what == "leader" else ("kvbm_worker", ["--worker-id", "0", "--cpu"])
-        log = open(self.root / f"{what}.log", "ab")
-        self.procs[what] = subprocess.Popen([sys.executable, "-m", module, *extra], env=self.env, stdout=log,
-                                            stderr=subprocess.STDOUT)
+        if what == "leader":
+            self.node.start_leader()
+        else:
+            self.node.start_worker("0")
 
     def kill(self, what: str, sig: int = signal.SIGKILL) -> None:
-        proc = self.procs[what]
-        proc.send_signal(sig)
-        proc.wait(15)
-
-    def status(self):
-        from kvbm_client.contract import pb, rpc
-        with grpc.insecure_channel(f"unix:{self.root / 'sock' / 'leader.sock'}") as channel:
-            return rpc.LeaderStub(channel).Status(pb.StatusRequest(), timeout=5)
+        self.node.kill(self._named(what), sig)
 
     def counters(self) -> dict:
-        return dict(self.status().counters)
+        return dict(self.node.status(5.0).counters)
 
     def worker_status(self):
-        from kvbm_client.config import KvbmConfig
-        from kvbm_client.contract import pb, rpc
-        with grpc.insecure_channel(KvbmConfig.from_env(self.env).worker_address("0")) as channel:
-            return rpc.WorkerStub(channel).Status(pb.WorkerStatusRequest(), timeout=5)
+        return self.node.worker_status("0")
 
     def wait_ready(self, timeout: float = 60) -> None:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            try:
-                if self.status().state == "ready":
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError("kvbm node not ready")
+        self.node.wait_ready(timeout)
 
     def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        self.node.stop()
 
 
 @pytest.fixture
@@ -98,11 +77,7 @@ def kvbm_node(tmp_path):
     def make(**env: str) -> KvbmNode:
         root = tmp_path / f"kvbm{len(nodes)}"
         root.mkdir()
-        base = {k: v for k, v in os.environ.items() if not k.startswith("DYN_KVBM_")}
-        base.update(DYN_KVBM_SOCKET_DIR=str(root / "sock"), DYN_KVBM_DISK_CACHE_DIR=str(root / "disk"),
-                    DYN_LOG="debug", PYTHONUNBUFFERED="1")
-        base.update(env)
-        node = KvbmNode(root, {k: v for k, v in base.items() if v != ""})
+        node = KvbmNode(LocalNode(isolated_env(root, {"DYN_LOG": "debug", **env}), 1, log_dir=root))
         node.start("leader")
         node.start("worker")
         nodes.append(node)
