@@ -7,7 +7,7 @@ import pytest
 
 from kvbm_client.ids import JobId, PlanKind, SessionId, WorkerId
 from kvbm_leader.jobs import Job, JobState, JobTable
-from kvbm_leader.placement import JobPlan
+from kvbm_leader.placement import JobPlacement
 from kvbm_leader.sessions import SessionTable
 
 W0, W1, W2 = WorkerId("0"), WorkerId("1"), WorkerId("2")
@@ -16,7 +16,7 @@ W0, W1, W2 = WorkerId("0"), WorkerId("1"), WorkerId("2")
 # --------------------------------------------------------------------------- jobs
 def make_job(table: JobTable, expected=(W0, W1), session: str | None = "s1",
              deadline: float = 10.0, expires: float = 12.0) -> Job:
-    job = Job(JobPlan(table.next_id(), PlanKind.STORE), SessionId(session) if session else None,
+    job = Job(JobPlacement(table.next_id(), PlanKind.STORE), SessionId(session) if session else None,
               deadline, expires, frozenset(expected))
     table.add(job)
     return job
