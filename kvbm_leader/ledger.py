@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Sequence, cast
 
 from kvbm_client.config import KvbmConfig
 from kvbm_client.contract import pb, sign_plan
@@ -43,6 +43,11 @@ from .steps import CompletionStepper
 log = logging.getLogger("kvbm.leader")
 
 
+def wire_tiers(tiers: Sequence[Tier]) -> "list[pb.Tier]":
+    """Tiers as the wire enum: the same values (``Tier`` is an ``IntEnum``), so no copy."""
+    return cast("list[pb.Tier]", tiers)
+
+
 def short(keys: Sequence[BlockHash], n: int = 3) -> str:
     """The first hashes of a list, for one-line debug logs."""
     head = ",".join(k.hex()[:12] for k in keys[:n])
@@ -58,7 +63,8 @@ class PlanSigner:
 
     def sign(self, placement: JobPlacement, deadline: float, epoch: int) -> "pb.SignedPlan":
         p = placement
-        wire = pb.TransferPlan(job_id=p.job_id, kind=int(p.kind), tiers=[int(t) for t in p.tiers], slots=p.slots,
+        wire = pb.TransferPlan(job_id=p.job_id, kind=cast("pb.PlanKind", p.kind), tiers=wire_tiers(p.tiers),
+                               slots=p.slots,
                                deadline=deadline, epoch=epoch, leader_id=self.leader_id,
                                demote_host_slots=[d.host_slot for d in p.demotions],
                                demote_disk_slots=[d.disk_slot for d in p.demotions],

@@ -60,10 +60,12 @@ class WorkerRecord:
 
     def state(self, epoch: int) -> str:
         if self.error:
-            return WorkerState.FAILED.value
-        if self.layout is None:
-            return WorkerState.WAITING_FOR_ENGINE.value
-        return (WorkerState.READY if self.ready_epoch == epoch else WorkerState.ALLOCATING).value
+            state = WorkerState.FAILED
+        elif self.layout is None:
+            state = WorkerState.WAITING_FOR_ENGINE
+        else:
+            state = WorkerState.READY if self.ready_epoch == epoch else WorkerState.ALLOCATING
+        return str(state.value)
 
 
 class Membership:

@@ -93,7 +93,7 @@ class LeaderMetrics(Collector):
         yield pinned
 
     def serve(self, port: int, addr: str) -> None:
-        self._server, _ = start_http_server(port, addr=addr, registry=self.registry)  # type: ignore[no-untyped-call]
+        self._server, _ = start_http_server(port, addr=addr, registry=self.registry)
 
     def close(self) -> None:
         if self._server is not None:

@@ -71,7 +71,10 @@ class RequestPlanner:
         tier = self.placement.store_tier
         if tier is None:
             return
-        needed, capacity = self.placement.slots_needed(keys), self.placement.capacity(tier)
+        capacity = self.placement.capacity(tier)
+        if len(keys) <= capacity:
+            return  # cannot need more (the count below is a pass over the keys: only when it may)
+        needed = self.placement.slots_needed(keys)
         if needed > capacity:
             raise Refused(Why.EXHAUSTED, f"a store of {needed} new blocks; {tier.label} holds {capacity} blocks "
                                          "(store at most that many per request)")

@@ -30,7 +30,7 @@ Runs in the leader daemon, on its event loop.
 from __future__ import annotations
 
 import time
-from typing import Any, AsyncIterator, NoReturn, Sequence
+from typing import Any, AsyncIterator, NoReturn, Sequence, cast
 
 import grpc
 
@@ -38,6 +38,7 @@ from kvbm_client.contract import pb
 from kvbm_client.ids import MAX_HASH_BYTES, BlockHash, JobId, SessionId, SlotId, Tier, WorkerId
 
 from .jobs import JobState
+from .ledger import wire_tiers
 from .membership import Layout, WorkerRecord
 from .refusals import Refused, Why
 from .service import LeaderService
@@ -78,7 +79,7 @@ class LeaderServicer:
         limit = self.service.config.max_hashes
         if len(hashes) > limit:
             raise Refused(Why.INVALID, f"{len(hashes)} {what} in one request; at most {limit}")
-        keys = [BlockHash(h) for h in hashes]  # protobuf hands out bytes objects already
+        keys = cast("list[BlockHash]", list(hashes))  # protobuf hands out bytes objects already
         if keys and not (0 < min(map(len, keys)) and max(map(len, keys)) <= MAX_HASH_BYTES):
             i, h = next((i, h) for i, h in enumerate(keys) if not 0 < len(h) <= MAX_HASH_BYTES)
             raise Refused(Why.INVALID, f"{what}[{i}] has {len(h)} bytes; 1..{MAX_HASH_BYTES} allowed")
@@ -110,7 +111,7 @@ class LeaderServicer:
         except Refused as refusal:
             await _abort(context, refusal)
         result = await self.service.planner.match(keys, request.count_hit, request.tokens_per_block)
-        return pb.MatchResponse(num_matched=result.num_matched, tiers=[int(t) for t in result.tiers])
+        return pb.MatchResponse(num_matched=result.num_matched, tiers=wire_tiers(result.tiers))
 
     async def PrepareStore(self, request: "pb.PrepareStoreRequest", context: Context) -> "pb.PrepareStoreResponse":
         try:

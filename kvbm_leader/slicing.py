@@ -19,6 +19,10 @@ from .steps import Stepper
 SLICE_SECONDS = 0.005
 #: Items between two clock reads (a few hundred microseconds of work).
 STEP_ITEMS = 128
+#: How long a slice gives way. NOTE: not 0: a call that arrived meanwhile needs several turns
+#: of the loop (read, handler, write); a zero sleep gives it one turn per slice, so a KeepAlive
+#: took many slices. A short real sleep lets the loop run everything that is ready.
+YIELD_SECONDS = 0.001
 
 
 async def run_sliced(stepper: Stepper, placement: PlacementPolicy) -> bool:
@@ -28,7 +32,7 @@ async def run_sliced(stepper: Stepper, placement: PlacementPolicy) -> bool:
     started = time.perf_counter()
     while not stepper.step(STEP_ITEMS):
         if time.perf_counter() - started >= SLICE_SECONDS:
-            await asyncio.sleep(0)
+            await asyncio.sleep(YIELD_SECONDS)
             if placement.generation != generation:
                 return False
             started = time.perf_counter()

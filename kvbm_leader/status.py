@@ -9,6 +9,7 @@ import enum
 from kvbm_client.contract import pb
 from kvbm_client.ids import Tier
 
+from .ledger import wire_tiers
 from .membership import Membership
 from .metrics import LeaderMetrics
 from .placement import PlacementPolicy
@@ -50,7 +51,7 @@ def leader_state(membership: Membership, closing: bool) -> LeaderState:
 def status_response(leader_id: str, state: LeaderState, placement: PlacementPolicy, membership: Membership,
                     metrics: LeaderMetrics, sessions: int, pending_jobs: int) -> "pb.StatusResponse":
     host_rate, disk_rate = metrics.hits.rates()
-    tiers = [pb.TierStatus(tier=int(tier), capacity_blocks=capacity, used_blocks=used, pinned_blocks=pinned,
+    tiers = [pb.TierStatus(tier=wire_tiers([tier])[0], capacity_blocks=capacity, used_blocks=used, pinned_blocks=pinned,
                            hit_rate=host_rate if tier is Tier.HOST else disk_rate)
              for tier, (capacity, used, pinned) in placement.usage().items()]
     return pb.StatusResponse(leader_id=leader_id, state=state.value, tiers=tiers, workers=worker_infos(membership),

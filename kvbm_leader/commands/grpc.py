@@ -6,7 +6,7 @@ attached with the daemon token), dropped when the worker detaches.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Callable
 
 import grpc
 
@@ -37,7 +37,8 @@ class GrpcCommands(CommandTransport):
                    accept: AckCheck) -> CommandAck:
         if worker.worker_id not in self._stubs:
             channel = open_aio_channel(worker.endpoint, self.config, daemon_token=self.token)
-            self._stubs[worker.worker_id] = (channel, rpc.WorkerStub(channel))
+            make_stub: Callable[[Any], Any] = rpc.WorkerStub  # generated, untyped
+            self._stubs[worker.worker_id] = (channel, make_stub(channel))
         stub = self._stubs[worker.worker_id][1]
         try:
             resp: pb.CommandResponse = await stub.Command(request, timeout=timeout)
