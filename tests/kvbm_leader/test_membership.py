@@ -188,3 +188,39 @@ def test_replan_with_no_expected_list_sizes_by_attached_workers() -> None:
     plan = m.replan()
 
     assert plan is not None and plan.host_slots == 1e9 // 12_288
+
+
+# --------------------------------------------------------------------------- layout checks
+@pytest.mark.parametrize("layout, config, expected", [
+    (make_layout(32, 65536), dict(cpu_cache_gb=1.0), None),
+    # the 50002-layer region that sized G2 and G3 to 0 blocks: over the layer bound
+    (make_layout(50002, 4096), dict(cpu_cache_gb=1.0, disk_cache_gb=1.0), "num_layers 50002 outside 1..8192"),
+    (make_layout(5000, 65536), dict(cpu_cache_gb=0.1),
+     "G2 would hold 0 blocks: one block takes 327680000 bytes over the node's workers (slots aligned to 4096) "
+     "and DYN_KVBM_CPU_CACHE_GB=0.1 allows 100000000 bytes"),
+    (make_layout(5000, 65536), dict(cpu_cache_gb=10.0, disk_cache_gb=0.2), "G3 would hold 0 blocks"),
+    (make_layout(5000, 65536), dict(cpu_cache_override_num_blocks=4), None),  # the override is a count
+    (make_layout(0, 4096), dict(cpu_cache_gb=1.0), "num_layers 0 outside"),
+    (make_layout(2, 0), dict(cpu_cache_gb=1.0), "a block shard must hold"),
+    (make_layout(4096, 1 << 21), dict(cpu_cache_gb=1.0), "a block shard must hold"),
+    (Layout(2, 4096, "bf16", 0, 0), dict(cpu_cache_gb=1.0), "num_engine_blocks 0 outside"),
+    (Layout(2, 4096, "x" * 300, 8, 0), dict(cpu_cache_gb=1.0), "dtype of 300 bytes"),
+])
+def test_layout_problem(layout: Layout, config: dict, expected: str | None) -> None:
+    m = make_membership("0", **config)
+    m.attach(make_record("0"))
+    problem = m.layout_problem(WorkerId("0"), layout)
+    if expected is None:
+        assert problem is None
+    else:
+        assert problem is not None and expected in problem
+    assert m.workers[WorkerId("0")].layout is None  # checking records nothing
+
+
+def test_layout_problem_counts_the_other_workers_slots() -> None:
+    # 0.1 GB over two workers: each alone fits (60 MB slots), together 120 MB > 100 MB
+    m = make_membership("0", "1", cpu_cache_gb=0.1)
+    attach_all(m, {"0": make_layout(15, 4_000_000)})
+    m.attach(make_record("1", 1))
+    assert m.layout_problem(WorkerId("1"), make_layout(15, 4_000_000, rank=1)) is not None
+    assert m.layout_problem(WorkerId("1"), make_layout(1, 4096, rank=1)) is None
