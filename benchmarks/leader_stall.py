@@ -34,9 +34,9 @@ PROBE_INTERVAL = 0.002  # seconds between two KeepAlives of the prober
 
 
 # ---------------------------------------------------------------------------- prober
-def _probe(address: str, out: str, stop: str) -> None:
-    """Child process: KeepAlive every PROBE_INTERVAL until ``stop`` exists; writes
-    [(start, seconds), ...] to ``out``."""
+def _probe(address: str, out: str, stop: str, timeout: str) -> None:
+    """Child process: KeepAlive every PROBE_INTERVAL until ``stop`` exists (or one call times
+    out: a leader that never answers); writes [(start, seconds), ...] to ``out``."""
     import grpc
 
     from kvbm_client.contract import pb, rpc
@@ -46,7 +46,11 @@ def _probe(address: str, out: str, stop: str) -> None:
     samples = []
     while not os.path.exists(stop):
         t = time.monotonic()
-        stub.KeepAlive(pb.KeepAliveRequest(session_id=session), timeout=120)
+        try:
+            stub.KeepAlive(pb.KeepAliveRequest(session_id=session), timeout=float(timeout))
+        except grpc.RpcError:  # no answer within the timeout: recorded as that long, and we stop
+            samples.append((t, time.monotonic() - t))
+            break
         samples.append((t, time.monotonic() - t))
         time.sleep(PROBE_INTERVAL)
     Path(out).write_text(json.dumps(samples))
@@ -71,7 +75,7 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
             p.send_signal(signal.SIGTERM)
     for p in procs:
         try:
-            p.wait(30)
+            p.wait(10)
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
@@ -103,7 +107,7 @@ def _measure(stub: Any, session: str, address: str, root: Path, tag: int, keys: 
 
     from kvbm_client.contract import pb
     out, stop = root / f"probe-{tag}.json", root / f"stop-{tag}"
-    prober = subprocess.Popen([sys.executable, __file__, "--probe", address, str(out), str(stop)])
+    prober = subprocess.Popen([sys.executable, __file__, "--probe", address, str(out), str(stop), str(timeout)])
     time.sleep(1.0)  # the prober has a session and is sampling
     request = pb.PrepareStoreRequest(session_id=session, hashes=_keys(tag, keys))
     t0 = time.monotonic()
@@ -158,15 +162,20 @@ def _median(passes: list[dict[str, Any]], scenario: str) -> dict[str, float]:
 
 
 def _provenance() -> dict[str, Any]:
+    """Where the result came from; ``code`` is the checkout whose kvbm ran (PYTHONPATH, cwd)."""
+    import kvbm_client
+    code = {"code": str(Path(kvbm_client.__file__).resolve().parents[1]),
+            "code_commit": os.environ.get("KVBM_BENCH_CODE_COMMIT")}
     try:
         sys.path.insert(0, str(Path(__file__).parent))
         from provenance import provenance  # type: ignore[import-not-found]
-        return dict(provenance())
-    except ImportError:  # older checkouts: the essentials
+        return {**dict(provenance()), **code}
+    except ImportError:  # provenance.py not here yet: the essentials
         head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                               cwd=Path(__file__).parent).stdout.strip()
-        return {"commit": head or None, "argv": sys.argv, "host": platform.node(), "cpus": os.cpu_count(),
-                "python": platform.python_version(), "pythonpath": os.environ.get("PYTHONPATH")}
+        return {"commit": head or os.environ.get("KVBM_BENCH_COMMIT"), "argv": sys.argv, "host": platform.node(),
+                "cpus": os.cpu_count(), "python": platform.python_version(),
+                "pythonpath": os.environ.get("PYTHONPATH"), **code}
 
 
 def run_stall_benchmark(passes: int = 3, keys: int = 65536, capacity: int = 65536, engine_blocks: int = 4096,
@@ -185,7 +194,7 @@ def run_stall_benchmark(passes: int = 3, keys: int = 65536, capacity: int = 6553
 
 
 def main() -> int:
-    if len(sys.argv) == 5 and sys.argv[1] == "--probe":
+    if len(sys.argv) == 6 and sys.argv[1] == "--probe":
         _probe(*sys.argv[2:])
         return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
