@@ -21,6 +21,7 @@ worker started is never rolled back before that worker reported or the job expir
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -37,10 +38,11 @@ from .membership import Membership
 from .metrics import LeaderMetrics
 from .placement import PlacementPolicy
 from .refusals import Refused, Why
-from .slicing import run_sliced
+from .slicing import YIELD_SECONDS, run_sliced
 from .steps import CompletionStepper
 
 log = logging.getLogger("kvbm.leader")
+SIGN_SLICE = 8192  # plan entries copied into the wire form between two yields
 
 
 def wire_tiers(tiers: Sequence[Tier]) -> "list[pb.Tier]":
@@ -61,15 +63,31 @@ class PlanSigner:
     leader_id: str
     key: bytes
 
-    def sign(self, placement: JobPlacement, deadline: float, epoch: int) -> "pb.SignedPlan":
+    def _head(self, placement: JobPlacement, deadline: float, epoch: int) -> "pb.TransferPlan":
         p = placement
-        wire = pb.TransferPlan(job_id=p.job_id, kind=cast("pb.PlanKind", p.kind), tiers=wire_tiers(p.tiers),
-                               slots=p.slots,
-                               deadline=deadline, epoch=epoch, leader_id=self.leader_id,
+        return pb.TransferPlan(job_id=p.job_id, kind=cast("pb.PlanKind", p.kind), deadline=deadline, epoch=epoch,
+                               leader_id=self.leader_id,
                                demote_host_slots=[d.host_slot for d in p.demotions],
                                demote_disk_slots=[d.disk_slot for d in p.demotions],
                                promote_host_slots=[d.host_slot for d in p.promotions],
                                promote_disk_slots=[d.disk_slot for d in p.promotions])
+
+    def sign(self, placement: JobPlacement, deadline: float, epoch: int) -> "pb.SignedPlan":
+        wire = self._head(placement, deadline, epoch)
+        wire.tiers.extend(wire_tiers(placement.tiers))
+        wire.slots.extend(placement.slots)
+        return sign_plan(wire, self.key)
+
+    async def sign_sliced(self, placement: JobPlacement, deadline: float, epoch: int) -> "pb.SignedPlan":
+        """:meth:`sign`, the entries copied into the wire form a slice at a time (a 65536-entry
+        plan takes tens of milliseconds to convert)."""
+        wire = self._head(placement, deadline, epoch)
+        tiers, slots = placement.tiers, placement.slots
+        for start in range(0, len(tiers), SIGN_SLICE):
+            if start:
+                await asyncio.sleep(YIELD_SECONDS)
+            wire.tiers.extend(wire_tiers(tiers[start:start + SIGN_SLICE]))
+            wire.slots.extend(slots[start:start + SIGN_SLICE])
         return sign_plan(wire, self.key)
 
 
@@ -91,13 +109,25 @@ class JobLedger:
         return self.config.job_timeout_secs
 
     # ------------------------------------------------------------------ new / start
-    def new(self, placement: JobPlacement, session: SessionId | None) -> tuple[Job, "pb.SignedPlan"]:
+    def _register(self, placement: JobPlacement, session: SessionId | None) -> tuple[Job, int]:
         pools = self.membership.pools
         assert pools is not None, "a job is planned only on ready pools"
         deadline = time.monotonic() + self.config.job_timeout_secs
         job = Job(placement, session, deadline, deadline + self.grace, frozenset(self.membership.members))
         self.jobs.add(job)
-        return job, self.signer.sign(placement, deadline, pools.epoch)
+        return job, pools.epoch
+
+    def new(self, placement: JobPlacement, session: SessionId | None) -> tuple[Job, "pb.SignedPlan"]:
+        """Register a job and sign its plan at once (small plans: demotions, promotions)."""
+        job, epoch = self._register(placement, session)
+        return job, self.signer.sign(placement, job.deadline, epoch)
+
+    async def issue(self, placement: JobPlacement, session: SessionId | None) -> tuple[Job, "pb.SignedPlan"]:
+        """:meth:`new` for a client's plan of any size (signed in slices). NOTE: the job is
+        registered first; if it is settled or reset meanwhile, its plan is refused at
+        ``StartTransfer`` like any stale plan."""
+        job, epoch = self._register(placement, session)
+        return job, await self.signer.sign_sliced(placement, job.deadline, epoch)
 
     def start(self, job_id: JobId, worker_id: WorkerId, epoch: int, now: float) -> Job:
         """Let ``worker_id`` start ``job_id`` (``StartTransfer``), or raise :class:`Refused`."""

@@ -95,7 +95,7 @@ class RequestPlanner:
         m.inc("kvbm_offload_skipped_present", plan.skipped_present)
         m.inc("kvbm_offload_skipped_full", plan.skipped_full)
         m.inc("kvbm_evicted_blocks", plan.dropped)
-        signed = self.ledger.new(plan, session)[1] if not plan.is_empty else None
+        signed = (await self.ledger.issue(plan, session))[1] if not plan.is_empty else None
         self.feed.flush(self.placement.registry)
         log.debug("offload decision job=%d: store %d to %s [%s], present %d, full %d, demote %d, dropped %d",
                   plan.job_id, len(plan.keys), plan.tiers[0].label if plan.tiers else "-", short(plan.keys),
@@ -116,7 +116,7 @@ class RequestPlanner:
         await self._require_session(session, plan)
         if count_hit:  # the same prefix a match would find: count it without a second pass
             self._count_lookup(len(keys), MatchResult(len(plan.keys), tuple(plan.tiers)), tokens_per_block)
-        signed = self.ledger.new(plan, session)[1] if plan.keys else None
+        signed = (await self.ledger.issue(plan, session))[1] if plan.keys else None
         if log.isEnabledFor(logging.DEBUG):
             log.debug("onboard decision job=%d: load %d/%d [%s] from %s", plan.job_id, len(plan.keys), len(keys),
                       short(plan.keys), ",".join(sorted({t.label for t in set(plan.tiers)})) or "-")
