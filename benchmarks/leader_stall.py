@@ -173,7 +173,10 @@ def _provenance() -> dict[str, Any]:
     except ImportError:  # provenance.py not here yet: the essentials
         head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                               cwd=Path(__file__).parent).stdout.strip()
-        return {"commit": head or os.environ.get("KVBM_BENCH_COMMIT"), "argv": sys.argv, "host": platform.node(),
+        # NOTE: KVBM_BENCH_COMMIT first: a copy of the tree inside another checkout would
+        # otherwise record that checkout's HEAD.
+        return {"commit": os.environ.get("KVBM_BENCH_COMMIT") or head or None, "argv": sys.argv,
+                "host": platform.node(),
                 "cpus": os.cpu_count(), "python": platform.python_version(),
                 "pythonpath": os.environ.get("PYTHONPATH"), **code}
 

@@ -23,7 +23,7 @@ from kvbm_client.security import create_node_key
 from kvbm_client.serving import make_server, start_server
 from kvbm_client.discovery import describe_self
 from kvbm_client.ids import WorkerId
-from kvbm_client.logs import setup_logging
+from kvbm_client.logs import log_loop_stalls, setup_logging
 
 from .cluster import LeaderCluster
 from .metrics import LeaderMetrics
@@ -51,6 +51,7 @@ class LeaderDaemon:
                                      self.metrics, leader_id)
         self._server: Any = None  # grpc.aio.Server
         self._ticker: asyncio.Task[None] | None = None
+        self._stall_watch: asyncio.Task[None] | None = None
         self._started = False
         self._closed = False
 
@@ -68,6 +69,8 @@ class LeaderDaemon:
             log.info("metrics on http://%s:%d/metrics", self.config.metrics_addr, self.config.metrics_port)
         await self.cluster.register(self._describe)
         self._ticker = asyncio.ensure_future(self._tick_loop())
+        if log.isEnabledFor(logging.DEBUG):  # DYN_LOG=debug: say when the loop could not answer
+            self._stall_watch = asyncio.ensure_future(log_loop_stalls(log))
         log.info("leader %s listening on %s; expecting workers %s", self.service.leader_id, self.address,
                  ", ".join(self.service.membership.expected))
 
@@ -106,8 +109,9 @@ class LeaderDaemon:
         if self._closed:
             return
         self._closed = True
-        if self._ticker is not None:
-            self._ticker.cancel()
+        for task in (self._stall_watch, self._ticker):
+            if task is not None:
+                task.cancel()
         await self.service.close()
         if self._server is not None:
             await self._server.stop(grace=1.0)

@@ -20,6 +20,7 @@ from kvbm_client.security import NodeKey, ack_is_authentic
 
 from .commands import CommandTransport
 from .commands.base import AckCheck
+from .decisions import JobPlacement
 from .events import KvEventFeed
 from .jobs import Job
 from .ledger import JobLedger
@@ -59,29 +60,29 @@ class Rebalancer:
         target = int(pool.capacity * self.config.host_free_watermark)
         if pool.allocator.num_free >= target:
             return
-        plan = self.placement.prepare_demotion(self.ledger.jobs.next_id(), target)
-        self.feed.flush(self.placement.registry)
-        self.metrics.inc("kvbm_evicted_blocks", plan.dropped)
-        if plan.demotions:
-            job, signed = self.ledger.new(plan, None)
-            log.debug("demotion decision job=%d: G2->G3 %d blocks, dropped %d", job.job_id,
-                      len(plan.demotions), plan.dropped)
-            self._dispatch(PlanKind.DEMOTE, job, signed)
-        elif plan.dropped:
-            log.debug("demotion decision: dropped %d G2 blocks (none worth G3)", plan.dropped)
+        self._launch(self.placement.prepare_demotion(self.ledger.jobs.next_id(), target))
 
     def maybe_promote(self, keys: Sequence[BlockHash]) -> None:
         """After a G3 hit, copy the blocks back to G2 (one promotion job in flight at a time)."""
         if not keys or PlanKind.PROMOTE in self._in_flight:
             return
-        plan = self.placement.prepare_promotion(self.ledger.jobs.next_id(), keys)
+        self._launch(self.placement.prepare_promotion(self.ledger.jobs.next_id(), keys))
+
+    def _launch(self, plan: JobPlacement) -> None:
+        """Count and log a demotion or promotion decision, and send it when it moves blocks."""
         self.feed.flush(self.placement.registry)
         self.metrics.inc("kvbm_evicted_blocks", plan.dropped)
-        if plan.promotions:
-            job, signed = self.ledger.new(plan, None)
-            log.debug("promotion decision job=%d: G3->G2 %d blocks, demote %d, dropped %d", job.job_id,
-                      len(plan.promotions), len(plan.demotions), plan.dropped)
-            self._dispatch(PlanKind.PROMOTE, job, signed)
+        moves = plan.demotions if plan.kind is PlanKind.DEMOTE else plan.promotions
+        what = "demotion decision" if plan.kind is PlanKind.DEMOTE else "promotion decision"
+        if not moves:
+            if plan.dropped:
+                log.debug("%s: dropped %d G2 blocks (none worth G3)", what, plan.dropped)
+            return
+        job, signed = self.ledger.new(plan, None)
+        log.debug("%s job=%d: %s %d blocks, demote %d, dropped %d", what, job.job_id,
+                  "G2->G3" if plan.kind is PlanKind.DEMOTE else "G3->G2", len(moves), len(plan.demotions),
+                  plan.dropped)
+        self._dispatch(plan.kind, job, signed)
 
     # ------------------------------------------------------------------ commands
     def _dispatch(self, kind: PlanKind, job: Job, signed: "pb.SignedPlan") -> None:
