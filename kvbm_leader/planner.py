@@ -15,7 +15,7 @@ import logging
 from typing import Sequence
 
 from kvbm_client.contract import MatchResult, pb
-from kvbm_client.ids import BlockHash, PlanKind, SessionId, Tier
+from kvbm_client.ids import BlockHash, JobId, PlanKind, SessionId, Tier
 
 from .decisions import JobPlacement
 from .events import KvEventFeed
@@ -32,6 +32,7 @@ from .steps import CompletionStepper, LoadStepper, MatchStepper, StoreStepper
 log = logging.getLogger("kvbm.leader")
 
 Planned = tuple[JobPlacement, "pb.SignedPlan | None"]
+NO_JOB = JobId(0)  # the id of an answer that planned nothing (job ids start at 1)
 
 
 class RequestPlanner:
@@ -84,7 +85,7 @@ class RequestPlanner:
         if not self.membership.ready:
             self.metrics.inc("kvbm_offload_skipped_full", len(keys))
             log.debug("offload skipped: %d blocks, pools not ready", len(keys))
-            return JobPlacement(self.ledger.jobs.next_id(), PlanKind.STORE, skipped_full=len(keys)), None
+            return JobPlacement(NO_JOB, PlanKind.STORE, skipped_full=len(keys)), None
         self._check_size(keys)
         stepper = StoreStepper(self.placement, self.ledger.jobs.next_id(), keys, parents)
         if not await run_sliced(stepper, self.placement):  # its reservations went with the old pools
@@ -106,12 +107,11 @@ class RequestPlanner:
     # ------------------------------------------------------------------ load
     async def prepare_load(self, session: SessionId, keys: Sequence[BlockHash], count_hit: bool,
                            tokens_per_block: int) -> Planned:
-        empty = JobPlacement(self.ledger.jobs.next_id(), PlanKind.LOAD)
         if not self.membership.ready:
-            return empty, None
-        stepper = LoadStepper(self.placement, empty.job_id, keys, count_hit)
+            return JobPlacement(NO_JOB, PlanKind.LOAD), None
+        stepper = LoadStepper(self.placement, self.ledger.jobs.next_id(), keys, count_hit)
         if not await run_sliced(stepper, self.placement):  # its pins went with the old pools
-            return empty, None
+            return JobPlacement(NO_JOB, PlanKind.LOAD), None
         plan = stepper.plan
         await self._require_session(session, plan)
         if count_hit:  # the same prefix a match would find: count it without a second pass
