@@ -72,3 +72,26 @@ def pool_sizes(config: KvbmConfig, shard_bytes: Sequence[int]) -> PoolSizes:
     return PoolSizes(tuple(int(b) for b in shard_bytes),
                      tier_slots(config.cpu_cache_override_num_blocks, config.cpu_cache_gb, total),
                      tier_slots(config.disk_cache_override_num_blocks, config.disk_cache_gb, total))
+
+
+# ---------------------------------------------------------------------------- layout bounds
+#: Largest shard of one block one worker may hold (every layer's page of one engine block).
+MAX_SHARD_BYTES = 1 << 32
+#: Most engine (G1) blocks one layout may declare.
+MAX_ENGINE_BLOCKS = 1 << 24
+
+
+def tier_problem(label: str, env: str, override_blocks: int | None, gb: float | None,
+                 bytes_per_block: int) -> str | None:
+    """Why a configured tier cannot be planned over ``bytes_per_block`` (the sum of every
+    worker's :func:`slot_bytes`), or None: it would hold 0 blocks, or more bytes than its GB."""
+    if not override_blocks and not gb:
+        return None  # the tier is off
+    slots = tier_slots(override_blocks, gb, bytes_per_block)
+    if slots <= 0:
+        return (f"{label} would hold 0 blocks: one block takes {bytes_per_block} bytes over the node's "
+                f"workers (slots aligned to {SLOT_ALIGN}) and {env}={gb:g} allows {int((gb or 0) * 1e9)} bytes")
+    if not override_blocks and gb and slots * bytes_per_block > gb * 1e9:
+        return (f"{label} would take {slots} x {bytes_per_block} bytes, more than {env}={gb:g} "
+                f"({int(gb * 1e9)} bytes)")
+    return None

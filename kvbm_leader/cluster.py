@@ -1,76 +1,80 @@
-"""The leader's cluster plane: etcd registration and the NATS bus (commands, KV events).
+"""The leader's cluster plane: the NATS bus (commands to workers, KV events for routers) and
+the etcd registration.
 
-Runs in the leader daemon, on its event loop; only what is configured starts (nothing in
-the embedded single-node default). Lifecycle: ``start()`` after the gRPC server is bound
-(etcd first: a wrong ``ETCD_ENDPOINTS`` fails the start; NATS connects in the background),
-``close()`` in reverse order, idempotent.
+Runs in the leader daemon, on its event loop; only what is configured exists (nothing in the
+embedded single-node default: commands go over gRPC, events nowhere). The transports are
+built at construction, so the daemon hands them to the service before anything serves.
+
+Lifecycle: ``start()`` before the gRPC server serves (NATS connects in the background, the
+event publisher starts); ``register(describe)`` after it serves (etcd: a wrong
+``ETCD_ENDPOINTS`` fails the start); ``close()`` in reverse order, idempotent.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any, Callable
 
 from kvbm_client.bus import NatsBus, events_subject, nats_auth
 from kvbm_client.config import KvbmConfig
-from kvbm_client.discovery import EtcdRegistration, describe_self, leader_key
+from kvbm_client.discovery import EtcdRegistration, leader_key
+from kvbm_client.security import NodeKey
 
+from .commands import CommandTransport
 from .commands import create as create_commands
-from .events import KvEventPublisher
-from .service import LeaderService
+from .events import KvEventPublisher, NullEvents
+from .metrics import LeaderMetrics
 
 log = logging.getLogger("kvbm.leader")
 REFRESH_SECONDS = 0.5  # how often the leader's etcd record is brought up to date
 
 
 class LeaderCluster:
-    """Owns the leader's etcd lease and NATS connection; see the module docstring."""
+    """Owns the command transport, the KV event sink, the NATS connection and the etcd lease."""
 
-    def __init__(self, config: KvbmConfig, service: LeaderService, address: str) -> None:
+    def __init__(self, config: KvbmConfig, node_key: NodeKey, leader_id: str, metrics: LeaderMetrics) -> None:
         self.config = config
-        self.service = service
-        self.address = address
         self.node = config.resolved_node_name
-        self.etcd: EtcdRegistration | None = None
         self.bus: NatsBus | None = None
-        self._refresher: asyncio.Task | None = None
+        self.events: NullEvents = NullEvents()
+        self._publisher: KvEventPublisher | None = None
+        if config.nats_server:
+            self.bus = NatsBus(config.nats_server, f"kvbm-leader-{self.node}", nats_auth(config))
+            self.commands: CommandTransport = create_commands("nats", bus=self.bus, node=self.node)
+            self._publisher = KvEventPublisher(self.bus, events_subject(self.node), self.node, leader_id,
+                                               config.event_buffer, metrics)
+            self.events = self._publisher
+        else:
+            self.commands = create_commands("grpc", config=config, node_key=node_key)
+        self.etcd: EtcdRegistration | None = None
+        self._refresher: asyncio.Task[None] | None = None
         self._closed = False
 
-    def record(self) -> dict:
-        svc = self.service
-        plan = svc.membership.plan
-        return describe_self("leader", leader_id=svc.leader_id, node=self.node, endpoint=self.address,
-                             ready=svc.membership.ready,
-                             capacity={"G2": plan.host_slots if plan else 0, "G3": plan.disk_slots if plan else 0},
-                             workers=sorted(svc.membership.workers), expected=list(svc.membership.expected),
-                             nats=bool(self.config.nats_server))
-
     async def start(self) -> None:
-        cfg = self.config
-        if cfg.etcd_endpoints:
-            self.etcd = EtcdRegistration(cfg.etcd_endpoints, cfg.etcd_lease_ttl_secs)
-            await self.etcd.start()
-            await self.etcd.put(leader_key(self.node), self.record())
-            self._refresher = asyncio.ensure_future(self._refresh())
-            log.info("registered in etcd %s as %s (lease TTL %ds)", cfg.etcd_endpoints, leader_key(self.node),
-                     cfg.etcd_lease_ttl_secs)
-        if cfg.nats_server:
-            self.bus = NatsBus(cfg.nats_server, f"kvbm-leader-{self.node}", nats_auth(cfg))
+        """Connect NATS (in the background) and start publishing events."""
+        if self.bus is not None and self._publisher is not None:
             await self.bus.start()
-            old = self.service.commands
-            self.service.commands = create_commands("nats", bus=self.bus, node=self.node)
-            await old.close()
-            publisher = KvEventPublisher(self.bus, events_subject(self.node), self.node, self.service.leader_id,
-                                         cfg.event_buffer, self.service.metrics)
-            publisher.start()
-            self.service.events = publisher
-            log.info("NATS %s: commands on kvbm.v1.commands.%s.<worker>, KV events on %s", cfg.nats_server,
+            self._publisher.start()
+            log.info("NATS %s: commands on kvbm.v1.commands.%s.<worker>, KV events on %s", self.config.nats_server,
                      self.node, events_subject(self.node))
 
-    async def _refresh(self) -> None:
+    async def register(self, describe: Callable[[], dict[str, Any]]) -> None:
+        """Register in etcd (raises when etcd is unreachable) and keep ``describe()`` current."""
+        cfg = self.config
+        if not cfg.etcd_endpoints:
+            return
+        etcd = self.etcd = EtcdRegistration(cfg.etcd_endpoints, cfg.etcd_lease_ttl_secs)
+        await etcd.start()
+        await etcd.put(leader_key(self.node), describe())
+        self._refresher = asyncio.ensure_future(self._refresh(etcd, describe))
+        log.info("registered in etcd %s as %s (lease TTL %ds)", cfg.etcd_endpoints, leader_key(self.node),
+                 cfg.etcd_lease_ttl_secs)
+
+    async def _refresh(self, etcd: EtcdRegistration, describe: Callable[[], dict[str, Any]]) -> None:
         while True:
             await asyncio.sleep(REFRESH_SECONDS)
             try:
-                await self.etcd.put(leader_key(self.node), self.record())  # no-op when unchanged
+                await etcd.put(leader_key(self.node), describe())  # no-op when unchanged
             except Exception:
                 log.exception("etcd record refresh")
 
@@ -80,8 +84,9 @@ class LeaderCluster:
         self._closed = True
         if self._refresher is not None:
             self._refresher.cancel()
-        if self.bus is not None:
-            await self.service.events.close()
-            await self.bus.close()
         if self.etcd is not None:
             await self.etcd.close()
+        await self.commands.close()
+        await self.events.close()
+        if self.bus is not None:
+            await self.bus.close()

@@ -1,8 +1,9 @@
 """The leader daemon's shell: sockets, metrics, the worker barrier, the tick loop, signals.
 
-Lifecycle (ordered, idempotent): ``start()`` binds the gRPC server, then metrics;
-``close()`` stops them in reverse order. ``run()`` adds the init barrier and waits for
-SIGINT/SIGTERM.
+Lifecycle (ordered, idempotent): ``__init__`` builds the cluster plane's transports and the
+service with them; ``start()`` starts NATS, binds the gRPC server, serves metrics, registers
+in etcd and starts the tick; ``close()`` stops them in reverse order. ``run()`` adds the init
+barrier and waits for SIGINT/SIGTERM.
 """
 from __future__ import annotations
 
@@ -12,8 +13,7 @@ import logging
 import signal
 import sys
 import time
-
-import grpc
+from typing import Any, Callable
 
 from kvbm_client.config import KvbmConfig, add_config_arguments, config_from_args
 from kvbm_client.contract import rpc
@@ -21,11 +21,14 @@ from kvbm_client.endpoints import ensure_socket_dir, remove_unix_socket
 from kvbm_client.errors import KvbmConfigError
 from kvbm_client.security import create_node_key
 from kvbm_client.serving import make_server, start_server
+from kvbm_client.discovery import describe_self
 from kvbm_client.ids import WorkerId
-from kvbm_client.logs import setup_logging
+from kvbm_client.logs import log_loop_stalls, setup_logging
 
 from .cluster import LeaderCluster
-from .service import LeaderService
+from .metrics import LeaderMetrics
+from .service import LeaderService, new_leader_id
+from .servicer import LeaderServicer
 
 log = logging.getLogger("kvbm.leader")
 TICK_SECONDS = 0.1
@@ -40,10 +43,15 @@ class LeaderDaemon:
         if config.node_key_file is None:  # the default key lives in the (checked) socket dir
             ensure_socket_dir(config.resolved_socket_dir)
         self.node_key = create_node_key(config.resolved_node_key_file)
-        self.service = LeaderService(config, workers, self.node_key)
-        self._server: grpc.aio.Server | None = None
-        self.cluster = LeaderCluster(config, self.service, self.address)  # etcd / NATS, when configured
-        self._ticker: asyncio.Task | None = None
+        leader_id = new_leader_id()
+        self.metrics = LeaderMetrics()
+        # NATS and etcd when configured; its transports go into the service before anything serves
+        self.cluster = LeaderCluster(config, self.node_key, leader_id, self.metrics)
+        self.service = LeaderService(config, workers, self.node_key, self.cluster.commands, self.cluster.events,
+                                     self.metrics, leader_id)
+        self._server: Any = None  # grpc.aio.Server
+        self._ticker: asyncio.Task[None] | None = None
+        self._stall_watch: asyncio.Task[None] | None = None
         self._started = False
         self._closed = False
 
@@ -51,16 +59,29 @@ class LeaderDaemon:
         if self._started:
             raise RuntimeError("LeaderDaemon.start() called twice")
         self._started = True
+        await self.cluster.start()
         self._server = make_server(self.config, self.address, self.node_key)
-        rpc.add_LeaderServicer_to_server(self.service, self._server)
+        add_servicer: Callable[[LeaderServicer, Any], None] = rpc.add_LeaderServicer_to_server
+        add_servicer(LeaderServicer(self.service), self._server)
         await start_server(self._server, self.address, self.config)
         if self.config.metrics:
-            self.service.metrics.serve(self.config.metrics_port, self.config.metrics_addr)
+            self.metrics.serve(self.config.metrics_port, self.config.metrics_addr)
             log.info("metrics on http://%s:%d/metrics", self.config.metrics_addr, self.config.metrics_port)
-        await self.cluster.start()
+        await self.cluster.register(self._describe)
         self._ticker = asyncio.ensure_future(self._tick_loop())
+        if log.isEnabledFor(logging.DEBUG):  # DYN_LOG=debug: say when the loop could not answer
+            self._stall_watch = asyncio.ensure_future(log_loop_stalls(log))
         log.info("leader %s listening on %s; expecting workers %s", self.service.leader_id, self.address,
                  ", ".join(self.service.membership.expected))
+
+    def _describe(self) -> dict[str, Any]:
+        """The leader's etcd record."""
+        svc, pools = self.service, self.service.membership.pools
+        return describe_self("leader", leader_id=svc.leader_id, node=self.cluster.node, endpoint=self.address,
+                             ready=svc.membership.ready,
+                             capacity={"G2": pools.host_slots if pools else 0, "G3": pools.disk_slots if pools else 0},
+                             workers=sorted(svc.membership.workers), expected=list(svc.membership.expected),
+                             nats=bool(self.config.nats_server))
 
     async def _tick_loop(self) -> None:
         next_decay = time.monotonic() + self.config.disk_filter_decay_secs
@@ -68,7 +89,7 @@ class LeaderDaemon:
             await asyncio.sleep(TICK_SECONDS)
             now = time.monotonic()
             try:
-                self.service.tick(now)
+                await self.service.tick(now)
                 if now >= next_decay:
                     self.service.frequency.decay()
                     next_decay = now + self.config.disk_filter_decay_secs
@@ -88,12 +109,14 @@ class LeaderDaemon:
         if self._closed:
             return
         self._closed = True
-        await self.cluster.close()
+        for task in (self._stall_watch, self._ticker):
+            if task is not None:
+                task.cancel()
         await self.service.close()
-        if self._ticker is not None:
-            self._ticker.cancel()
         if self._server is not None:
             await self._server.stop(grace=1.0)
+        self.metrics.close()
+        await self.cluster.close()
         remove_unix_socket(self.address)
         log.info("leader stopped")
 

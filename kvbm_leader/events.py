@@ -33,9 +33,11 @@ from kvbm_client.bus import NatsBus
 from kvbm_client.ids import BlockHash, Tier
 
 from .metrics import LeaderMetrics
+from .registry import BlockRegistry
 
 log = logging.getLogger("kvbm.leader")
 MAX_BATCH = 256  # events flushed per wake-up
+MAX_BLOCKS_PER_EVENT = 1024  # a big job is announced in several events (bounded JSON work each)
 
 
 class NullEvents:
@@ -68,7 +70,7 @@ class KvEventPublisher(NullEvents):
         self._buffer: collections.deque[dict[str, Any]] = collections.deque()
         self._wake = asyncio.Event()
         self._next_id = 1
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self._closed = False
 
     # ------------------------------------------------------------------ producers (sync)
@@ -85,13 +87,13 @@ class KvEventPublisher(NullEvents):
 
     def stored(self, blocks: Iterable[tuple[BlockHash, BlockHash | None]], tier: Tier) -> None:
         out = [{"block_hash": k.hex(), "parent_hash": p.hex() if p else None} for k, p in blocks]
-        if out:
-            self._push({"kind": "stored", "tier": tier.label, "blocks": out})
+        for i in range(0, len(out), MAX_BLOCKS_PER_EVENT):
+            self._push({"kind": "stored", "tier": tier.label, "blocks": out[i:i + MAX_BLOCKS_PER_EVENT]})
 
     def removed(self, keys: Iterable[BlockHash]) -> None:
         out = [k.hex() for k in keys]
-        if out:
-            self._push({"kind": "removed", "block_hashes": out})
+        for i in range(0, len(out), MAX_BLOCKS_PER_EVENT):
+            self._push({"kind": "removed", "block_hashes": out[i:i + MAX_BLOCKS_PER_EVENT]})
 
     def cleared(self) -> None:
         self._push({"kind": "cleared"})
@@ -107,13 +109,14 @@ class KvEventPublisher(NullEvents):
             await self._wake.wait()
             self._wake.clear()
             while self._buffer:
-                if not self.bus.is_connected:
+                nc = self.bus.nc
+                if nc is None or not self.bus.is_connected:
                     await asyncio.sleep(0.05)  # events wait in the buffer; producers never do
                     continue
                 for _ in range(min(MAX_BATCH, len(self._buffer))):
                     event = self._buffer[0]
                     try:
-                        await self.bus.nc.publish(self.subject, json.dumps(event).encode())
+                        await nc.publish(self.subject, json.dumps(event).encode())
                     except Exception as exc:  # the connection dropped under us: retry later
                         log.debug("event publish failed: %s", exc)
                         break
@@ -131,3 +134,38 @@ class KvEventPublisher(NullEvents):
         self._closed = True
         if self._task is not None:
             self._task.cancel()
+
+
+class KvEventFeed:
+    """What the routers are told, derived from the registry: the one place that turns block
+    changes into KV events. Runs in the leader, synchronously.
+
+    NOTE: removals are journaled by the registry (a block forgotten by an eviction, a
+    rollback, a corrupt copy, a demotion); :meth:`flush` sends them. Every unit that changes
+    the registry calls it once its change is done (the planner after a store, the ledger
+    after a settle, the rebalancer after a demotion, the tick), so no removal waits for an
+    unrelated request.
+    """
+
+    def __init__(self, events: NullEvents) -> None:
+        self.events = events
+
+    def flush(self, registry: BlockRegistry) -> None:
+        """Announce the blocks forgotten since the last flush."""
+        forgotten = registry.take_forgotten()
+        if forgotten:
+            self.events.removed(forgotten)
+
+    def stored(self, registry: BlockRegistry, ready: list[tuple[BlockHash, Tier]]) -> None:
+        """Flush, then announce ``ready`` (blocks a store just made matchable), per tier."""
+        self.flush(registry)
+        by_tier: dict[Tier, list[tuple[BlockHash, BlockHash | None]]] = {}
+        for key, tier in ready:
+            entry = registry.blocks.get(key)
+            if entry is not None and entry.ready_in(tier):
+                by_tier.setdefault(tier, []).append((key, entry.parent))
+        for tier, blocks in by_tier.items():
+            self.events.stored(blocks, tier)
+
+    def cleared(self) -> None:
+        self.events.cleared()

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Iterator
 
 from kvbm_client.ids import JobId, SessionId, WorkerId
 
-from .placement import JobPlan
+from .decisions import JobPlacement
 
 
 class JobState(enum.Enum):
@@ -30,7 +31,9 @@ class JobState(enum.Enum):
 
 @dataclass(slots=True)
 class Job:
-    plan: JobPlan
+    """One job: its placement, its owner, its clock, and what the workers said so far."""
+
+    placement: JobPlacement
     session: SessionId | None
     deadline: float
     expires: float
@@ -42,7 +45,7 @@ class Job:
 
     @property
     def job_id(self) -> JobId:
-        return self.plan.job_id
+        return self.placement.job_id
 
     @property
     def state(self) -> JobState:
@@ -81,7 +84,7 @@ class JobTable:
     def __len__(self) -> int:
         return len(self._jobs)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Job]:
         return iter(list(self._jobs.values()))
 
     def next_id(self) -> JobId:
@@ -129,7 +132,7 @@ class JobTable:
         return job
 
     def due(self, now: float) -> list[Job]:
-        """Jobs past their expiry (to roll back) ."""
+        """Jobs past their expiry (to roll back)."""
         return [j for j in self._jobs.values() if now >= j.expires]
 
     def of_session(self, session: SessionId) -> list[Job]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import GaugeMetricFamily
@@ -32,7 +32,10 @@ COUNTERS = {
     "kvbm_kv_events_published": "KV events published on NATS (kvbm.v1.events.<node>)",
     "kvbm_kv_events_dropped": "KV events dropped because the event buffer was full",
     "kvbm_commands_undelivered": "Leader commands to workers without an acknowledgement (left to expire)",
+    "kvbm_corrupt_blocks": "Block copies dropped because a worker found their bytes bad (checksum, short read)",
 }
+
+PoolUsage = Callable[[], "dict[Tier, tuple[int, int, int]]"]
 
 
 @dataclass
@@ -40,7 +43,7 @@ class HitWindow:
     """Sliding window over the last ``size`` lookups (in blocks)."""
 
     size: int = 1024
-    _samples: collections.deque = field(default_factory=lambda: collections.deque(maxlen=1024))
+    _samples: collections.deque[tuple[int, int, int]] = field(default_factory=lambda: collections.deque(maxlen=1024))
 
     def add(self, queried: int, host: int, disk: int) -> None:
         if queried:
@@ -54,15 +57,20 @@ class HitWindow:
 
 
 class LeaderMetrics(Collector):
-    """Counters kept by the leader plus gauges read at scrape time from ``pool_usage``."""
+    """Counters kept by the leader plus gauges read at scrape time from the pool usage source
+    (:meth:`track_pools`, set once by the service; read on the HTTP server's thread, so it
+    must be O(1) and only read plain counters)."""
 
-    def __init__(self, pool_usage: Callable[[], dict[Tier, tuple[int, int, int]]]) -> None:
+    def __init__(self, pool_usage: PoolUsage | None = None) -> None:
         self.values: dict[str, float] = dict.fromkeys(COUNTERS, 0.0)
         self.hits = HitWindow()
-        self._pool_usage = pool_usage
+        self._pool_usage: PoolUsage = pool_usage or dict
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
-        self._server = None
+        self._server: Any = None
+
+    def track_pools(self, pool_usage: PoolUsage) -> None:
+        self._pool_usage = pool_usage
 
     def inc(self, name: str, amount: float = 1.0) -> None:
         self.values[name] += amount

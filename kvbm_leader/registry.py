@@ -3,7 +3,17 @@
 Runs in the leader; pure and synchronous. A block may have one copy per tier (G2, G3).
 A copy is *pending* from the moment its slot is reserved until every worker confirmed the
 bytes landed; only *ready* copies are matchable. ``pins`` counts loads in flight reading the
-block; a pinned block is never evicted, in any tier.
+block; ``busy_job`` names a demotion or promotion reading it. A pinned or busy block is
+never evicted, in any tier.
+
+Invariants kept here (every state change goes through a method of :class:`BlockRegistry`):
+
+* a tier's LRU holds exactly the copies that may be evicted now (ready, not corrupt, block
+  unpinned and not busy), so a victim is a pop (:mod:`.policies.lru`);
+* ``TierPool.owners`` maps every occupied slot to its block, ``TierPool.pinned`` counts the
+  pinned blocks with a copy in the tier (``Status`` and the metrics read them in O(1));
+* a *corrupt* copy (a worker reported its bytes bad) is never matched again; its slot is
+  freed as soon as no load, demotion or live job still uses it.
 """
 from __future__ import annotations
 
@@ -20,11 +30,12 @@ class TierCopy:
     """One copy of a block in one tier."""
 
     slot: SlotId
-    job: JobId | None  # the store/demote job writing it; None once ready
+    job: JobId | None  # the store/demote/promote job writing it; None once written
+    corrupt: bool = False  # its bytes failed verification: never matched, freed when unused
 
     @property
     def is_ready(self) -> bool:
-        return self.job is None
+        return self.job is None and not self.corrupt
 
 
 _LOAD_ORDER = (Tier.HOST, Tier.DISK)
@@ -38,11 +49,16 @@ class BlockEntry:
     parent: BlockHash | None = None
     copies: dict[Tier, TierCopy] = field(default_factory=dict)
     pins: int = 0  # loads in flight
-    busy_job: JobId | None = None  # a demotion reading this block's G2 copy
+    busy_job: JobId | None = None  # a demotion (reads G2) or promotion (reads G3) of this block
 
     def ready_in(self, tier: Tier) -> bool:
         copy = self.copies.get(tier)
         return copy is not None and copy.is_ready
+
+    @property
+    def is_free(self) -> bool:
+        """Nobody reads the block now: no load pins it, no demotion or promotion copies it."""
+        return self.pins == 0 and self.busy_job is None
 
     @property
     def is_matchable(self) -> bool:
@@ -54,18 +70,20 @@ class BlockEntry:
         copies = self.copies
         for tier in _LOAD_ORDER:
             copy = copies.get(tier)
-            if copy is not None and copy.job is None:
+            if copy is not None and copy.job is None and not copy.corrupt:
                 return tier
         return None
 
 
 @dataclass
 class TierPool:
-    """Capacity, free slots and LRU order of one tier."""
+    """Capacity, free slots, slot owners and the LRU order of the evictable copies of one tier."""
 
     tier: Tier
     allocator: SlotAllocator
     lru: LRUPolicy = field(default_factory=LRUPolicy)
+    owners: dict[SlotId, BlockHash] = field(default_factory=dict)
+    pinned: int = 0  # pinned blocks with a copy here
 
     @property
     def capacity(self) -> int:
@@ -81,6 +99,7 @@ class BlockRegistry:
         self.pools: dict[Tier, TierPool] = {
             tier: TierPool(tier, SlotAllocator(n)) for tier, n in capacities.items() if n > 0}
 
+    # ------------------------------------------------------------------ lookups
     def get(self, key: BlockHash) -> BlockEntry | None:
         return self.blocks.get(key)
 
@@ -90,21 +109,104 @@ class BlockRegistry:
             found = self.blocks[key] = BlockEntry(key, parent)
         return found
 
-    def add_copy(self, entry: BlockEntry, tier: Tier, slot: SlotId, job: JobId | None) -> None:
-        assert tier not in entry.copies, f"{entry.key.hex()} already has a {tier.label} copy"
-        entry.copies[tier] = TierCopy(slot, job)
-        self.pools[tier].lru.insert(entry.key)
+    def owner(self, tier: Tier, slot: SlotId) -> BlockHash | None:
+        pool = self.pools.get(tier)
+        return pool.owners.get(slot) if pool is not None else None
 
-    def drop_copy(self, entry: BlockEntry, tier: Tier) -> SlotId:
-        """Remove the copy, free its slot, forget the block when no copy remains."""
+    def used(self, tier: Tier) -> int:
+        pool = self.pools.get(tier)
+        return pool.allocator.num_used if pool else 0
+
+    def count_pinned(self, tier: Tier) -> int:
+        pool = self.pools.get(tier)
+        return pool.pinned if pool else 0
+
+    # ------------------------------------------------------------------ copies
+    def add_copy(self, entry: BlockEntry, tier: Tier, slot: SlotId, job: JobId | None) -> None:
+        """Give ``entry`` a copy in ``slot`` (already taken from the allocator): pending for
+        ``job``, or ready when ``job`` is None."""
+        assert tier not in entry.copies, f"{entry.key.hex()} already has a {tier.label} copy"
+        pool = self.pools[tier]
+        entry.copies[tier] = TierCopy(slot, job)
+        pool.owners[slot] = entry.key
+        if entry.pins:
+            pool.pinned += 1
+        self._refresh(entry)
+
+    def take_copy(self, entry: BlockEntry, tier: Tier) -> SlotId:
+        """Take a copy away from its block without freeing the slot (the caller reuses it)."""
         copy = entry.copies.pop(tier)
         pool = self.pools[tier]
         pool.lru.remove(entry.key)
-        pool.allocator.free(copy.slot)
+        if pool.owners.get(copy.slot) == entry.key:
+            del pool.owners[copy.slot]
+        if entry.pins:
+            pool.pinned -= 1
         if not entry.copies:
             self.forget(entry.key)
         return copy.slot
 
+    def drop_copy(self, entry: BlockEntry, tier: Tier) -> SlotId:
+        """Remove the copy, free its slot, forget the block when no copy remains."""
+        slot = self.take_copy(entry, tier)
+        self.pools[tier].allocator.free(slot)
+        return slot
+
+    def mark_ready(self, entry: BlockEntry, tier: Tier) -> None:
+        """Every worker wrote the copy: matchable (or, if it was condemned meanwhile, dropped)."""
+        entry.copies[tier].job = None
+        self._refresh(entry)
+
+    def condemn(self, entry: BlockEntry, tier: Tier) -> bool:
+        """A worker reported this copy's bytes bad: never match it again; free its slot now if
+        nobody reads or writes it, else once they are done. False if it was condemned already."""
+        copy = entry.copies[tier]
+        if copy.corrupt:
+            return False
+        copy.corrupt = True
+        self._refresh(entry)
+        return True
+
+    # ------------------------------------------------------------------ readers
+    def pin(self, entry: BlockEntry) -> None:
+        entry.pins += 1
+        if entry.pins == 1:
+            for tier in entry.copies:
+                self.pools[tier].pinned += 1
+            self._refresh(entry)
+
+    def unpin(self, entry: BlockEntry) -> None:
+        if entry.pins == 0:
+            return  # settled after a reset, or twice: nothing is held
+        entry.pins -= 1
+        if entry.pins == 0:
+            for tier in entry.copies:
+                self.pools[tier].pinned -= 1
+            self._refresh(entry)
+
+    def set_busy(self, entry: BlockEntry, job: JobId | None) -> None:
+        entry.busy_job = job
+        self._refresh(entry)
+
+    def touch(self, entry: BlockEntry, tier: Tier) -> None:
+        """A hit on ``entry`` in ``tier``: most recently used there."""
+        self.pools[tier].lru.touch(entry.key)
+
+    def _refresh(self, entry: BlockEntry) -> None:
+        """Bring the LRU membership of ``entry``'s copies in line with their state, and free
+        the slots of condemned copies nobody uses any more."""
+        free = entry.is_free
+        for tier, copy in list(entry.copies.items()):
+            lru = self.pools[tier].lru
+            if copy.corrupt and free and copy.job is None:
+                self.drop_copy(entry, tier)
+            elif free and copy.is_ready:
+                if entry.key not in lru:  # NOTE: a refresh is no use: keep the position
+                    lru.insert(entry.key)
+            else:
+                lru.remove(entry.key)
+
+    # ------------------------------------------------------------------ journal
     def forget(self, key: BlockHash) -> None:
         """Drop a block that has no copy left (journaled for the KV events)."""
         if self.blocks.pop(key, None) is not None:
@@ -113,10 +215,3 @@ class BlockRegistry:
     def take_forgotten(self) -> list[BlockHash]:
         out, self.forgotten = self.forgotten, []
         return out
-
-    def used(self, tier: Tier) -> int:
-        pool = self.pools.get(tier)
-        return pool.allocator.num_used if pool else 0
-
-    def count_pinned(self, tier: Tier) -> int:
-        return sum(1 for e in self.blocks.values() if e.pins and tier in e.copies)

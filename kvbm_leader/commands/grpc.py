@@ -1,18 +1,23 @@
 """Commands over gRPC ``Worker.Command`` (the default, without NATS).
 
-Runs in the leader; one channel per worker endpoint, dropped when the worker detaches.
+Runs in the leader; one channel per worker endpoint (the endpoint the worker gave when it
+attached with the daemon token), dropped when the worker detaches.
 """
 from __future__ import annotations
+
+import asyncio
+from typing import Any, Callable
 
 import grpc
 
 from kvbm_client.channels import open_aio_channel
 from kvbm_client.config import KvbmConfig
 from kvbm_client.contract import pb, rpc
+from kvbm_client.ids import WorkerId
 from kvbm_client.security import NodeKey
 
 from ..membership import WorkerRecord
-from .base import CommandAck, CommandTransport
+from .base import AckCheck, CommandAck, CommandTransport
 
 # The call ended without the worker's word on the job: the copy may still run.
 _UNKNOWN = {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE,
@@ -25,26 +30,28 @@ class GrpcCommands(CommandTransport):
     def __init__(self, config: KvbmConfig, node_key: NodeKey) -> None:
         self.config = config
         self.token = node_key.daemon_token
-        self._stubs: dict[str, tuple[grpc.aio.Channel, rpc.WorkerStub]] = {}
-        self._closing: set = set()
+        self._stubs: dict[WorkerId, tuple[Any, Any]] = {}  # worker -> (aio channel, WorkerStub)
+        self._closing: set[asyncio.Task[None]] = set()
 
-    async def send(self, worker: WorkerRecord, request: "pb.CommandRequest", timeout: float) -> CommandAck:
+    async def send(self, worker: WorkerRecord, request: "pb.CommandRequest", timeout: float,
+                   accept: AckCheck) -> CommandAck:
         if worker.worker_id not in self._stubs:
             channel = open_aio_channel(worker.endpoint, self.config, daemon_token=self.token)
-            self._stubs[worker.worker_id] = (channel, rpc.WorkerStub(channel))
+            make_stub: Callable[[Any], Any] = rpc.WorkerStub  # generated, untyped
+            self._stubs[worker.worker_id] = (channel, make_stub(channel))
         stub = self._stubs[worker.worker_id][1]
         try:
-            resp = await stub.Command(request, timeout=timeout)
+            resp: pb.CommandResponse = await stub.Command(request, timeout=timeout)
         except grpc.RpcError as exc:
             error = f"{exc.code().name}: {exc.details()}"
             return CommandAck(exc.code() not in _UNKNOWN, False, error)
-        return CommandAck(True, resp.ok, resp.error, resp)
+        if not accept(resp):
+            return CommandAck(False, False, "acknowledgement not signed by the worker", forged=1)
+        return CommandAck(True, resp.ok, resp.error)
 
-    def forget(self, worker_id: str) -> None:
+    def forget(self, worker_id: WorkerId) -> None:
         entry = self._stubs.pop(worker_id, None)
         if entry is not None:
-            import asyncio
-
             task = asyncio.ensure_future(entry[0].close())
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)

@@ -11,6 +11,7 @@ over up to a million entries that would stall the leader's event loop.
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Iterable
 
 from kvbm_client.ids import BlockHash
 
@@ -60,7 +61,7 @@ class FrequencyFilter:
         self.hit_many((key,))
         return self.frequency(key)
 
-    def hit_many(self, keys) -> None:
+    def hit_many(self, keys: Iterable[BlockHash]) -> None:
         """:meth:`hit` for each key (a load's whole prefix) in one pass: the doubling rule and
         the bound live here only."""
         table, step, move, bound = self._table, self._step, self._table.move_to_end, self.max_entries

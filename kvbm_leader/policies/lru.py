@@ -1,19 +1,21 @@
-"""LRU order of the blocks held by one tier.
+"""LRU order of the blocks one tier may evict now.
 
-Runs in the leader; pure and synchronous. The policy only orders; whether a block may be
-evicted now (pins, pending copies) is the caller's predicate, so a rejected candidate is
-left in place and nothing changes when no victim qualifies.
+Runs in the leader; pure and synchronous. The policy holds only *evictable* copies (ready,
+unpinned, not being read by a demotion or promotion): the registry removes a copy when it
+stops being evictable and re-inserts it, as most recently used, when it becomes evictable
+again. So choosing a victim is a pop from the front, never a scan past pinned or pending
+keys, and every operation is O(1).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Iterator
+from typing import Iterator
 
 from kvbm_client.ids import BlockHash
 
 
 class LRUPolicy:
-    """Least recently used first."""
+    """Least recently used first, over the evictable copies of one tier."""
 
     __slots__ = ("_order",)
 
@@ -32,6 +34,7 @@ class LRUPolicy:
         self._order.move_to_end(key)
 
     def touch(self, key: BlockHash) -> None:
+        """A use of ``key``: most recently used (unknown keys are ignored)."""
         if key in self._order:
             self._order.move_to_end(key)
 
@@ -42,12 +45,9 @@ class LRUPolicy:
         """Keys from least to most recently used (do not mutate while iterating)."""
         return iter(self._order)
 
-    def pick_victim(self, evictable: Callable[[BlockHash], bool], limit: int = 1 << 30) -> BlockHash | None:
-        """The least recently used key for which ``evictable`` holds, looking at most ``limit``
-        keys; ``None`` (and no change) when none does."""
-        for i, key in enumerate(self._order):
-            if i >= limit:
-                break
-            if evictable(key):
-                return key
-        return None
+    def pop_victim(self) -> BlockHash | None:
+        """Remove and return the least recently used key; ``None`` (no change) when empty."""
+        if not self._order:
+            return None
+        key, _ = self._order.popitem(last=False)
+        return key

@@ -7,8 +7,9 @@ import pytest
 
 from kvbm_client.ids import JobId, PlanKind, SessionId, WorkerId
 from kvbm_leader.jobs import Job, JobState, JobTable
-from kvbm_leader.placement import JobPlan
-from kvbm_leader.sessions import SessionTable
+from kvbm_leader.placement import JobPlacement
+from kvbm_leader.refusals import Refused, Why
+from kvbm_leader.sessions import SessionLimits, SessionTable
 
 W0, W1, W2 = WorkerId("0"), WorkerId("1"), WorkerId("2")
 
@@ -16,7 +17,7 @@ W0, W1, W2 = WorkerId("0"), WorkerId("1"), WorkerId("2")
 # --------------------------------------------------------------------------- jobs
 def make_job(table: JobTable, expected=(W0, W1), session: str | None = "s1",
              deadline: float = 10.0, expires: float = 12.0) -> Job:
-    job = Job(JobPlan(table.next_id(), PlanKind.STORE), SessionId(session) if session else None,
+    job = Job(JobPlacement(table.next_id(), PlanKind.STORE), SessionId(session) if session else None,
               deadline, expires, frozenset(expected))
     table.add(job)
     return job
@@ -182,3 +183,40 @@ def test_pop_expired_removes_only_expired_sessions() -> None:
     assert table.get(long_.session_id) is long_
     assert table.pop_expired(50.0) == []
     assert table.renew(short.session_id, 50.0) is False  # expired sessions cannot be revived
+
+
+# --------------------------------------------------------------------------- session limits
+def test_admit_clamps_the_ttl_and_applies_the_default() -> None:
+    table = SessionTable(SessionLimits(default_ttl=10.0, max_ttl=120.0))
+    assert table.admit("a", 0, 0.0).ttl == 10.0
+    assert table.admit("b", 4_000_000_000, 0.0).ttl == 120.0  # 46 days asked
+    assert table.admit("c", 5_000, 0.0).ttl == 5.0
+    assert table.admit("", 0, 0.0).client_name == "anonymous"
+
+
+def test_admit_refuses_beyond_max_sessions_and_changes_nothing() -> None:
+    table = SessionTable(SessionLimits(max_sessions=2))
+    first = table.admit("a", 0, 0.0)
+    table.admit("b", 0, 0.0)
+    with pytest.raises(Refused) as info:
+        table.admit("c", 0, 0.0)
+    assert info.value.why is Why.EXHAUSTED and "at most 2" in info.value.message
+    assert len(table) == 2
+    table.close(first.session_id)
+    assert table.admit("c", 0, 0.0).client_name == "c"
+
+
+def test_admit_refuses_a_long_client_name() -> None:
+    table = SessionTable(SessionLimits(max_name_bytes=8))
+    with pytest.raises(Refused) as info:
+        table.admit("é" * 5, 0, 0.0)  # 10 bytes in UTF-8
+    assert info.value.why is Why.INVALID and len(table) == 0
+
+
+def test_require_renews_or_refuses() -> None:
+    table = SessionTable()
+    s = table.admit("a", 0, 0.0)
+    assert table.require(s.session_id, 3.0) == s.session_id and s.renewed_at == 3.0
+    with pytest.raises(Refused) as info:
+        table.require(SessionId("nope"), 3.0)
+    assert info.value.why is Why.UNKNOWN and "unknown or expired session" in info.value.message

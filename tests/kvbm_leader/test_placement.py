@@ -1,4 +1,4 @@
-"""TierManager + BlockRegistry: the two-phase placement protocol, eviction and demotion."""
+"""PlacementPolicy + BlockRegistry: the two-phase placement protocol, eviction and demotion."""
 from __future__ import annotations
 
 import itertools
@@ -8,7 +8,7 @@ import pytest
 
 from kvbm_client.ids import BlockHash, JobId, PlanKind, SlotId, Tier
 from kvbm_client.contract import MatchResult
-from kvbm_leader.placement import JobPlan, TierManager
+from kvbm_leader.placement import JobPlacement, PlacementPolicy
 from kvbm_leader.policies.frequency import FrequencyFilter
 
 HOST, DISK = Tier.HOST, Tier.DISK
@@ -30,35 +30,35 @@ def next_job() -> JobId:
     return JobId(next(_job_ids))
 
 
-def make_manager(host: int = 0, disk: int = 0, filter_enabled: bool = True) -> TierManager:
-    return TierManager({HOST: host, DISK: disk}, FrequencyFilter(max_entries=1000, enabled=filter_enabled))
+def make_manager(host: int = 0, disk: int = 0, filter_enabled: bool = True) -> PlacementPolicy:
+    return PlacementPolicy({HOST: host, DISK: disk}, FrequencyFilter(max_entries=1000, enabled=filter_enabled))
 
 
-def store(tm: TierManager, *ids: int, success: bool = True) -> JobPlan:
+def store(tm: PlacementPolicy, *ids: int, success: bool = True) -> JobPlacement:
     """prepare_store + complete: the blocks are ready (or rolled back) afterwards."""
     plan = tm.prepare_store(next_job(), keys(*ids))
     tm.complete(plan, success)
     return plan
 
 
-def make_frequent(tm: TierManager, *ids: int) -> None:
+def make_frequent(tm: PlacementPolicy, *ids: int) -> None:
     """A prefix hit doubles each block's frequency (1 -> 2), as a scheduler's lookup does."""
     for i in ids:
         assert tm.match(keys(i), count_hit=True).num_matched == 1
         assert tm.frequency.frequency(key(i)) >= 2
 
 
-def copies(tm: TierManager, i: int) -> dict[Tier, bool]:
+def copies(tm: PlacementPolicy, i: int) -> dict[Tier, bool]:
     """Tier -> is_ready of every copy of block ``i`` ({} when unknown)."""
     entry = tm.registry.get(key(i))
     return {} if entry is None else {t: c.is_ready for t, c in entry.copies.items()}
 
 
-def lru_order(tm: TierManager, tier: Tier) -> list[int]:
+def lru_order(tm: PlacementPolicy, tier: Tier) -> list[int]:
     return [int.from_bytes(k, "big") for k in tm.registry.pools[tier].lru.candidates()]
 
 
-def snapshot(tm: TierManager) -> dict:
+def snapshot(tm: PlacementPolicy) -> dict:
     """Everything observable of the registry, to check that a prepare changed nothing."""
     reg = tm.registry
     return {
@@ -80,7 +80,7 @@ class ExpectedPlan:
     dropped: int = 0
 
 
-def verify_plan(plan: JobPlan, expected: ExpectedPlan) -> None:
+def verify_plan(plan: JobPlacement, expected: ExpectedPlan) -> None:
     assert [int.from_bytes(k, "big") for k in plan.keys] == expected.keys
     assert plan.tiers == expected.tiers
     assert len(plan.slots) == len(plan.keys)
@@ -332,7 +332,7 @@ def test_disk_only_mode_never_evicts_pinned_blocks() -> None:
 
 
 # --------------------------------------------------------------------------- load
-def make_two_tier_state() -> TierManager:
+def make_two_tier_state() -> PlacementPolicy:
     """G2 = {4, 1}, G3 = {1, 2, 3}: block 1 on both tiers, 2 and 3 only on disk."""
     tm = make_manager(host=2, disk=4, filter_enabled=False)
     store(tm, 1, 2)
@@ -378,7 +378,11 @@ def test_pinned_blocks_are_never_evicted_and_complete_unpins() -> None:
 
     assert outcome.loaded == {HOST: 1, DISK: 0}
     assert tm.registry.get(key(1)).pins == 0
+    # NOTE: a load's end is the block's last use (as in vLLM's free queue): 1 is evictable
+    # again, most recently used, so 3 goes first, then 1.
     verify_plan(store(tm, 5), ExpectedPlan(keys=[5], tiers=[HOST], dropped=1))
+    assert copies(tm, 3) == {} and copies(tm, 1) == {HOST: True}
+    verify_plan(store(tm, 6), ExpectedPlan(keys=[6], tiers=[HOST], dropped=1))
     assert copies(tm, 1) == {}  # LRU victim once unpinned
 
 
@@ -447,7 +451,7 @@ def test_failed_store_with_demotion_frees_every_reserved_slot() -> None:
 def test_complete_ignores_copies_of_another_job() -> None:
     tm = make_manager(host=2)
     plan = tm.prepare_store(next_job(), keys(1))
-    stranger = JobPlan(next_job(), PlanKind.STORE, keys=keys(1), tiers=[HOST], slots=[SlotId(0)])
+    stranger = JobPlacement(next_job(), PlanKind.STORE, keys=keys(1), tiers=[HOST], slots=[SlotId(0)])
 
     assert tm.complete(stranger, success=False).stored[HOST] == 0
     assert copies(tm, 1) == {HOST: False}  # the real job's pending copy survives
@@ -456,7 +460,7 @@ def test_complete_ignores_copies_of_another_job() -> None:
 
 
 # --------------------------------------------------------------------------- background demotion
-def make_demotable(filter_enabled: bool = True) -> TierManager:
+def make_demotable(filter_enabled: bool = True) -> PlacementPolicy:
     """G2 (4 slots) full of 1..4 with 1 and 2 frequent; LRU order [3, 4, 1, 2]."""
     tm = make_manager(host=4, disk=4, filter_enabled=filter_enabled)
     store(tm, 1, 2, 3, 4)
@@ -582,7 +586,7 @@ def test_reset_drops_everything() -> None:
 
 
 # --------------------------------------------------------------------------- promotion
-def _on_disk_only(tm: TierManager, *ids: int) -> None:
+def _on_disk_only(tm: PlacementPolicy, *ids: int) -> None:
     """Blocks ``ids`` end up with a ready G3 copy and no G2 copy (filter disabled)."""
     store(tm, *ids)
     for j in range(100, 100 + tm.capacities[HOST]):

@@ -1,4 +1,4 @@
-"""LRUPolicy: ordering only; the caller decides what is evictable."""
+"""LRUPolicy: the order of the evictable copies of one tier; a victim is a pop."""
 from __future__ import annotations
 
 import pytest
@@ -51,33 +51,38 @@ def test_remove_is_idempotent() -> None:
     assert order(lru) == [1, 3]
 
 
-@pytest.mark.parametrize("blocked, expected", [
-    (set(), 1),
-    ({1}, 2),
-    ({1, 2}, 3),
-    ({1, 2, 3}, None),
-])
-def test_pick_victim_returns_lru_evictable_and_never_mutates(blocked: set[int], expected: int | None) -> None:
+def test_pop_victim_takes_the_least_recent_key() -> None:
     lru = make_lru(1, 2, 3)
+    lru.touch(key(1))
 
-    victim = lru.pick_victim(lambda k: int.from_bytes(k, "big") not in blocked)
+    assert lru.pop_victim() == key(2)
 
-    assert victim == (key(expected) if expected is not None else None)
-    assert order(lru) == [1, 2, 3]
-
-
-def test_pick_victim_respects_scan_limit() -> None:
-    lru = make_lru(1, 2, 3)
-    seen: list[int] = []
-
-    def evictable(k: BlockHash) -> bool:
-        seen.append(int.from_bytes(k, "big"))
-        return int.from_bytes(k, "big") == 3
-
-    assert lru.pick_victim(evictable, limit=2) is None
-    assert seen == [1, 2]
-    assert lru.pick_victim(evictable, limit=3) == key(3)
+    assert order(lru) == [3, 1]
+    assert key(2) not in lru
 
 
-def test_pick_victim_on_empty_policy() -> None:
-    assert LRUPolicy().pick_victim(lambda k: True) is None
+def test_pop_victim_on_empty_policy_changes_nothing() -> None:
+    lru = LRUPolicy()
+    assert lru.pop_victim() is None
+    assert len(lru) == 0
+
+
+def test_pop_victim_is_constant_time_whatever_the_size() -> None:
+    """Only evictable keys are held, so a victim is a pop: popping every key of a big policy
+    touches each key once (no scan), which this bounds by counting hash calls."""
+    calls = 0
+
+    class CountingKey(bytes):
+        def __hash__(self) -> int:
+            nonlocal calls
+            calls += 1
+            return bytes.__hash__(self)
+
+    lru = LRUPolicy()
+    n = 2000
+    for i in range(n):
+        lru.insert(BlockHash(CountingKey(i.to_bytes(8, "big"))))
+    calls = 0
+    popped = [lru.pop_victim() for _ in range(n)]
+    assert popped == [key(i) for i in range(n)]
+    assert calls <= 2 * n

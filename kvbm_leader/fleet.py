@@ -1,0 +1,155 @@
+"""The worker fleet: attaching workers, their layouts, pool (re)plans and lost workers.
+
+Runs in the leader, on its event loop. Decides the worker RPCs ``Attach``, ``SetLayout`` and
+``PoolsReady`` (the access policy let only the node's daemons call them). Owns the one reset
+both a lost worker and a re-plan go through (:meth:`WorkerFleet.reset`): every job fails
+(counted in ``kvbm_failed_jobs``), every block is forgotten (``kvbm_lost_blocks``), routers
+are told (``cleared``).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import AsyncIterator
+
+from kvbm_client.config import KvbmConfig
+from kvbm_client.contract import pb
+from kvbm_client.ids import Tier, WorkerId
+
+from .events import KvEventFeed
+from .ledger import JobLedger
+from .membership import Layout, Membership, WorkerRecord
+from .metrics import LeaderMetrics
+from .placement import PlacementPolicy
+from .rebalancer import Rebalancer
+from .refusals import Refused, Why
+from .streams import WorkerStreams
+
+log = logging.getLogger("kvbm.leader")
+
+
+class WorkerFleet:
+    """See the module docstring."""
+
+    def __init__(self, config: KvbmConfig, leader_id: str, membership: Membership, placement: PlacementPolicy,
+                 ledger: JobLedger, rebalancer: Rebalancer, feed: KvEventFeed, metrics: LeaderMetrics) -> None:
+        self.config = config
+        self.leader_id = leader_id
+        self.membership = membership
+        self.placement = placement
+        self.ledger = ledger
+        self.rebalancer = rebalancer
+        self.feed = feed
+        self.metrics = metrics
+        self.streams = WorkerStreams()
+        self.all_attached = asyncio.Event()
+        self.closing = False
+
+    # ------------------------------------------------------------------ names
+    def check_name(self, what: str, value: str) -> None:
+        limit = self.config.max_name_bytes
+        if len(value.encode()) > limit:
+            raise Refused(Why.INVALID, f"{what} of {len(value.encode())} bytes; at most {limit} "
+                                       "(DYN_KVBM_MAX_NAME_BYTES)")
+
+    def record(self, worker_id: str) -> WorkerRecord:
+        """The attached worker ``worker_id``, or :class:`Refused`."""
+        self.check_name("worker_id", worker_id)
+        record = self.membership.workers.get(WorkerId(worker_id))
+        if record is None:
+            raise Refused(Why.UNKNOWN, f"unknown worker {worker_id!r} (not attached)")
+        return record
+
+    # ------------------------------------------------------------------ attach
+    def attach(self, record: WorkerRecord) -> None:
+        """Admit a worker (its stream is served by :meth:`serve`), or :class:`Refused`."""
+        self.check_name("worker_id", record.worker_id)
+        self.check_name("endpoint", record.endpoint)
+        try:
+            self.membership.attach(record)
+        except KeyError as exc:
+            raise Refused(Why.DUPLICATE, str(exc.args[0])) from None
+        except LookupError as exc:
+            raise Refused(Why.UNKNOWN, str(exc)) from None
+        log.info("worker %s attached (rank %d, pid %d, %s)", record.worker_id, record.rank, record.pid,
+                 record.endpoint)
+        if self.membership.all_attached:
+            self.all_attached.set()
+
+    async def serve(self, record: WorkerRecord) -> AsyncIterator["pb.LeaderEvent"]:
+        """The attached worker's event stream; its end means the worker is gone."""
+        welcome = pb.Welcome(leader_id=self.leader_id, job_timeout_s=self.config.job_timeout_secs)
+        try:
+            async for event in self.streams.serve(record.worker_id, welcome):
+                yield event
+        finally:
+            if self.membership.workers.get(record.worker_id) is record:
+                self.lost(record.worker_id, "attach stream ended")
+
+    def lost(self, worker_id: WorkerId, why: str) -> None:
+        self.membership.detach(worker_id)
+        self.all_attached.clear()
+        self.rebalancer.forget(worker_id)
+        jobs, lost = self.reset()
+        if not self.closing:  # a worker stopping while it holds nothing is routine, not a warning
+            log.log(logging.WARNING if lost else logging.INFO,
+                    "worker %s detached (%s): %d blocks are no longer matchable, %d jobs failed",
+                    worker_id, why, lost, jobs)
+
+    def reset(self) -> tuple[int, int]:
+        """Every job fails and every block is forgotten (pools lost or re-planned); returns
+        (jobs, blocks)."""
+        jobs = self.ledger.fail_all()
+        lost = self.placement.reset()
+        self.metrics.inc("kvbm_lost_blocks", lost)
+        self.feed.cleared()
+        return jobs, lost
+
+    # ------------------------------------------------------------------ layout and pools
+    def set_layout(self, worker_id: str, layout: Layout) -> None:
+        """Record a worker's engine layout and (re)plan the pools, or :class:`Refused` with
+        the numbers (nothing changes then)."""
+        record = self.record(worker_id)
+        problem = self.membership.layout_problem(record.worker_id, layout)
+        if problem is not None:
+            log.error("layout of worker %s refused: %s", record.worker_id, problem)
+            raise Refused(Why.INVALID, f"layout refused: {problem}")
+        if self.membership.set_layout(record.worker_id, layout):
+            self._replan()
+            return
+        log.info("worker %s re-registered the same layout; keeping %d blocks", record.worker_id,
+                 len(self.placement.registry.blocks))
+        if self.membership.pools is not None:
+            self.streams.send_pools(self.membership.pools, record.worker_id)
+
+    def _replan(self) -> None:
+        _, dropped = self.reset()
+        sizes = self.membership.replan()
+        if sizes is None:
+            log.info("waiting for the layouts of %s", ", ".join(self.membership.waiting_for_layouts))
+            return
+        self.placement.resize({Tier.HOST: sizes.host_slots, Tier.DISK: sizes.disk_slots})
+        log.info("pool plan epoch %d: G2 %d blocks, G3 %d blocks (%d bytes per block over %d workers)%s",
+                 sizes.epoch, sizes.host_slots, sizes.disk_slots, self.membership.block_bytes(),
+                 len(self.membership.members), f"; dropped {dropped} blocks" if dropped else "")
+        self.streams.send_pools(sizes)
+
+    def pools_ready(self, worker_id: str, epoch: int, ok: bool, error: str) -> None:
+        record = self.record(worker_id)
+        pools = self.membership.pools
+        if pools is None or epoch != pools.epoch:
+            return  # stale: newer pool sizes are on their way
+        if not ok:
+            record.error = error[:4096]
+            log.error("worker %s could not allocate its pools: %s", record.worker_id, record.error)
+            return
+        record.ready_epoch, record.alloc_progress, record.error = pools.epoch, 1.0, ""
+        log.info("worker %s pools ready (epoch %d)%s", record.worker_id, pools.epoch,
+                 "; node ready" if self.membership.ready else "")
+
+    async def wait_attached(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self.all_attached.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False

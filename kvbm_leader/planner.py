@@ -1,0 +1,133 @@
+"""The request planner: a client's ``Match``, ``PrepareStore`` and ``PrepareLoad`` turned into
+placement decisions and signed jobs, with bounded work per request.
+
+Runs in the leader, on its event loop. Each request runs its stepper (:mod:`.steps`) in
+slices (:mod:`.slicing`), so a 65536-key request lets other clients' calls in every few
+milliseconds. Limits: a store that needs more slots than its tier has is refused
+(``Why.EXHAUSTED``), never a flush of the tier; each new block evicts at most one block, so a
+client never evicts more than it stores. A request overtaken by a reset (a worker lost, pools
+re-planned) answers as if the pools were not ready; one whose session ended meanwhile is
+rolled back and refused. ``DYN_LOG=debug`` logs one line per offload and onboard decision.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+from kvbm_client.contract import MatchResult, pb
+from kvbm_client.ids import BlockHash, JobId, PlanKind, SessionId, Tier
+
+from .decisions import JobPlacement
+from .events import KvEventFeed
+from .ledger import JobLedger, short
+from .membership import Membership
+from .metrics import LeaderMetrics
+from .placement import PlacementPolicy
+from .rebalancer import Rebalancer
+from .refusals import Refused, Why
+from .sessions import SessionTable
+from .slicing import run_sliced
+from .steps import CompletionStepper, LoadStepper, MatchStepper, StoreStepper
+
+log = logging.getLogger("kvbm.leader")
+
+Planned = tuple[JobPlacement, "pb.SignedPlan | None"]
+NO_JOB = JobId(0)  # the id of an answer that planned nothing (job ids start at 1)
+
+
+class RequestPlanner:
+    """See the module docstring."""
+
+    def __init__(self, placement: PlacementPolicy, membership: Membership, ledger: JobLedger,
+                 rebalancer: Rebalancer, sessions: SessionTable, feed: KvEventFeed, metrics: LeaderMetrics) -> None:
+        self.placement = placement
+        self.membership = membership
+        self.ledger = ledger
+        self.rebalancer = rebalancer
+        self.sessions = sessions
+        self.feed = feed
+        self.metrics = metrics
+
+    # ------------------------------------------------------------------ lookups
+    async def match(self, keys: Sequence[BlockHash], count_hit: bool, tokens_per_block: int) -> MatchResult:
+        if not self.membership.ready:
+            return MatchResult(0, ())
+        stepper = MatchStepper(self.placement, keys, count_hit)
+        if not await run_sliced(stepper, self.placement):
+            return MatchResult(0, ())
+        result = stepper.result
+        if count_hit:
+            self._count_lookup(len(keys), result, tokens_per_block)
+        log.debug("match: %d/%d blocks [%s]", result.num_matched, len(keys),
+                  ",".join(t.label for t in result.tiers[:8]))
+        return result
+
+    def _count_lookup(self, queried: int, result: MatchResult, tokens_per_block: int) -> None:
+        host = sum(1 for t in result.tiers if t is Tier.HOST)
+        self.metrics.hits.add(queried, host, result.num_matched - host)
+        self.metrics.inc("kvbm_matched_tokens", result.num_matched * (tokens_per_block or 1))
+
+    # ------------------------------------------------------------------ store
+    def _check_size(self, keys: Sequence[BlockHash]) -> None:
+        tier = self.placement.store_tier
+        if tier is None:
+            return
+        capacity = self.placement.capacity(tier)
+        if len(keys) <= capacity:
+            return  # cannot need more (the count below is a pass over the keys: only when it may)
+        needed = self.placement.slots_needed(keys)
+        if needed > capacity:
+            raise Refused(Why.EXHAUSTED, f"a store of {needed} new blocks; {tier.label} holds {capacity} blocks "
+                                         "(store at most that many per request)")
+
+    async def prepare_store(self, session: SessionId, keys: Sequence[BlockHash],
+                            parents: Sequence[BlockHash | None] | None) -> Planned:
+        if not self.membership.ready:
+            self.metrics.inc("kvbm_offload_skipped_full", len(keys))
+            log.debug("offload skipped: %d blocks, pools not ready", len(keys))
+            return JobPlacement(NO_JOB, PlanKind.STORE, skipped_full=len(keys)), None
+        self._check_size(keys)
+        stepper = StoreStepper(self.placement, self.ledger.jobs.next_id(), keys, parents)
+        if not await run_sliced(stepper, self.placement):  # its reservations went with the old pools
+            return JobPlacement(stepper.plan.job_id, PlanKind.STORE, skipped_full=len(keys)), None
+        plan = stepper.plan
+        await self._require_session(session, plan)
+        m = self.metrics
+        m.inc("kvbm_offload_skipped_present", plan.skipped_present)
+        m.inc("kvbm_offload_skipped_full", plan.skipped_full)
+        m.inc("kvbm_evicted_blocks", plan.dropped)
+        signed = (await self.ledger.issue(plan, session))[1] if not plan.is_empty else None
+        self.feed.flush(self.placement.registry)
+        log.debug("offload decision job=%d: store %d to %s [%s], present %d, full %d, demote %d, dropped %d",
+                  plan.job_id, len(plan.keys), plan.tiers[0].label if plan.tiers else "-", short(plan.keys),
+                  plan.skipped_present, plan.skipped_full, len(plan.demotions), plan.dropped)
+        self.rebalancer.maybe_demote()
+        return plan, signed
+
+    # ------------------------------------------------------------------ load
+    async def prepare_load(self, session: SessionId, keys: Sequence[BlockHash], count_hit: bool,
+                           tokens_per_block: int) -> Planned:
+        if not self.membership.ready:
+            return JobPlacement(NO_JOB, PlanKind.LOAD), None
+        stepper = LoadStepper(self.placement, self.ledger.jobs.next_id(), keys, count_hit)
+        if not await run_sliced(stepper, self.placement):  # its pins went with the old pools
+            return JobPlacement(NO_JOB, PlanKind.LOAD), None
+        plan = stepper.plan
+        await self._require_session(session, plan)
+        if count_hit:  # the same prefix a match would find: count it without a second pass
+            self._count_lookup(len(keys), MatchResult(len(plan.keys), tuple(plan.tiers)), tokens_per_block)
+        signed = (await self.ledger.issue(plan, session))[1] if plan.keys else None
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("onboard decision job=%d: load %d/%d [%s] from %s", plan.job_id, len(plan.keys), len(keys),
+                      short(plan.keys), ",".join(sorted({t.label for t in set(plan.tiers)})) or "-")
+        self.rebalancer.maybe_promote([k for k, t in zip(plan.keys, plan.tiers) if t is Tier.DISK])
+        return plan, signed
+
+    async def _require_session(self, session: SessionId, plan: JobPlacement) -> None:
+        """The session may have ended while the request was planned in slices: then nobody
+        owns the plan; roll it back and refuse."""
+        if self.sessions.get(session) is not None:
+            return
+        await run_sliced(CompletionStepper(self.placement, plan, False), self.placement)
+        self.feed.flush(self.placement.registry)
+        raise Refused(Why.UNKNOWN, f"unknown or expired session {session!r}; open a new one")
