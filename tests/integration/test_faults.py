@@ -40,8 +40,7 @@ def test_kill_9_worker_gives_clear_error_then_recovers(make_node):
     # The worker comes back (as a supervisor would restart it); the engine re-registers.
     node.start_worker("0")
     node.wait_attached()
-    client.aio.regions.clear()
-    client.register_region("0", engines["0"].spec())
+    client.register_region("0", engines["0"].spec())  # registers afresh on the restarted worker
     client.wait_ready(30)
     client.wait(client.offload(keys, [0, 1, 2, 3]))
     engines["0"].array[20:24] = 0
@@ -71,8 +70,7 @@ def test_stale_disk_file_of_a_killed_worker_is_removed_at_next_start(make_node):
     assert len(stale) == 1
     node.start_worker("0")
     node.wait_attached()
-    client.aio.regions.clear()
-    client.register_region("0", engines["0"].spec())
+    client.register_region("0", engines["0"].spec())  # registers afresh on the restarted worker
     client.wait_ready(30)
     files = list(node.disk_dir.glob("kvbm-disk-cache-*"))
     assert len(files) == 1 and files[0] != stale[0]
