@@ -12,7 +12,6 @@ import asyncio
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Coroutine, Mapping, Sequence, TypeVar
 
@@ -22,62 +21,14 @@ from .config import KvbmConfig
 from .channels import open_aio_channel
 from .contract import MatchResult, pb, rpc
 from .errors import KvbmRequestError, KvbmTimeoutError, KvbmUnavailableError, from_rpc_error
-from .ids import BlockHash, EngineBlockId, JobId, PlanKind, SessionId, WorkerId
+from .handles import TransferHandle, TransferResult, load_handle, store_handle
+from .ids import BlockHash, EngineBlockId, SessionId, WorkerId
 from .regions import RegionSpec
 from .session import SessionCore
 
 log = logging.getLogger("kvbm.client")
 T = TypeVar("T")
 CONTROL_TIMEOUT = 10.0
-
-
-@dataclass
-class TransferHandle:
-    """A batch in flight. ``num_blocks`` entries of the request were planned."""
-
-    kind: PlanKind
-    job_id: JobId | None
-    num_blocks: int
-    indices: tuple[int, ...] = ()  # STORE: which request entries were planned
-    skipped_present: int = 0
-    skipped_full: int = 0
-    deadline: float = 0.0
-    signed: "pb.SignedPlan | None" = None
-    tasks: "list[asyncio.Future[pb.TransferResponse]]" = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return self.job_id is None
-
-
-@dataclass(frozen=True)
-class TransferResult:
-    job_id: JobId | None
-    num_blocks: int
-    bytes: int
-    seconds: float
-
-
-def plan_handle(kind: PlanKind, signed: "pb.SignedPlan | None", n: int, indices: tuple[int, ...],
-                present: int = 0, full: int = 0) -> TransferHandle:
-    """A :class:`TransferHandle` for a leader's answer (``signed``: its SignedPlan, or None)."""
-    if signed is None:
-        return TransferHandle(kind, None, 0, (), present, full)
-    plan = pb.TransferPlan()
-    plan.ParseFromString(signed.plan)
-    return TransferHandle(kind, JobId(plan.job_id), n, indices, present, full, plan.deadline, signed)
-
-
-def load_handle(resp: "pb.PrepareLoadResponse") -> TransferHandle:
-    """The handle of a leader's ``PrepareLoad`` answer."""
-    return plan_handle(PlanKind.LOAD, resp.plan if resp.HasField("plan") else None, resp.num_planned,
-                       tuple(range(resp.num_planned)))
-
-
-def store_handle(resp: "pb.PrepareStoreResponse") -> TransferHandle:
-    """The handle of a leader's ``PrepareStore`` answer (``indices``: the entries planned)."""
-    return plan_handle(PlanKind.STORE, resp.plan if resp.HasField("plan") else None, len(resp.indices),
-                       tuple(resp.indices), resp.skipped_present, resp.skipped_full)
 
 
 class AsyncKvbmClient:

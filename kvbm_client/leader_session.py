@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 
 from .channels import open_channel
-from .client import TransferHandle, load_handle, store_handle
+from .handles import TransferHandle, load_handle, store_handle
 from .config import KvbmConfig
 from .contract import pb, rpc
 from .errors import KvbmError, from_rpc_error

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from kvbm_client.client import TransferHandle
+from kvbm_client.handles import TransferHandle
 from kvbm_client.connectors.core import ConnectorSettings, RequestExtras, SchedulerCore
 from kvbm_client.contract import pb
 from kvbm_client.ids import JobId, PlanKind

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Protocol, Sequence
 
-from ...client import TransferHandle
+from ...handles import TransferHandle
 from ...errors import KvbmError, KvbmUnavailableError
 from ...ids import BlockHash
 from ...leader_session import LeaderSession

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Protocol, Sequence
 
-from ...client import TransferHandle
+from ...handles import TransferHandle
 from ...hashing import BlockIdentity, RequestExtras
 from ...ids import BlockHash, EngineBlockId
 from .early_loads import EarlyLoads

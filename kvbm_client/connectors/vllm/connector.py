@@ -1,9 +1,10 @@
 """``KvbmConnector``: vLLM's ``KVConnectorBase_V1``, a role facade.
 
 The scheduler role (:class:`.scheduler.KvbmConnectorScheduler`) talks to the leader; the
-worker role (:class:`.worker.KvbmConnectorWorker`) talks to its worker daemon. The roles
-share no state: the scheduler's decisions reach workers only as
-:class:`.metadata.KvbmConnectorMetadata`.
+worker role (:class:`.worker.KvbmConnectorWorker`) talks to its worker daemon. Both are thin
+translations of vLLM's hooks over the engine-independent core (:mod:`..core`), which the
+TensorRT-LLM connector shares. The roles share no state: the scheduler's decisions reach
+workers only as :class:`.metadata.KvbmConnectorMetadata`.
 
 Supported vLLM: 0.26 - 0.32 (see :mod:`.compat`).
 """
