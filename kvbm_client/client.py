@@ -12,8 +12,8 @@ import asyncio
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Coroutine, Sequence, TypeVar
+from types import MappingProxyType
+from typing import Any, Coroutine, Mapping, Sequence, TypeVar
 
 import grpc
 
@@ -21,70 +21,19 @@ from .config import KvbmConfig
 from .channels import open_aio_channel
 from .contract import MatchResult, pb, rpc
 from .errors import KvbmRequestError, KvbmTimeoutError, KvbmUnavailableError, from_rpc_error
-from .ids import BlockHash, JobId, PlanKind, Tier
+from .handles import TransferHandle, TransferResult, load_handle, store_handle
+from .ids import BlockHash, EngineBlockId, SessionId, WorkerId
 from .regions import RegionSpec
+from .session import SessionCore
 
 log = logging.getLogger("kvbm.client")
 T = TypeVar("T")
 CONTROL_TIMEOUT = 10.0
 
 
-@dataclass
-class TransferHandle:
-    """A batch in flight. ``num_blocks`` entries of the request were planned."""
-
-    kind: PlanKind
-    job_id: JobId | None
-    num_blocks: int
-    indices: tuple[int, ...] = ()  # STORE: which request entries were planned
-    skipped_present: int = 0
-    skipped_full: int = 0
-    deadline: float = 0.0
-    signed: Any = None
-    tasks: list[asyncio.Task] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return self.job_id is None
-
-
-@dataclass(frozen=True)
-class TransferResult:
-    job_id: JobId | None
-    num_blocks: int
-    bytes: int
-    seconds: float
-
-
-def plan_handle(kind: PlanKind, signed, n: int, indices: tuple[int, ...], present: int = 0,
-                full: int = 0) -> TransferHandle:
-    """A :class:`TransferHandle` for a leader's answer (``signed``: its SignedPlan, or None)."""
-    if signed is None:
-        return TransferHandle(kind, None, 0, (), present, full)
-    plan = pb.TransferPlan()
-    plan.ParseFromString(signed.plan)
-    return TransferHandle(kind, JobId(plan.job_id), n, indices, present, full, plan.deadline, signed)
-
-
-def load_handle(resp: "pb.PrepareLoadResponse") -> TransferHandle:
-    """The handle of a leader's ``PrepareLoad`` answer."""
-    return plan_handle(PlanKind.LOAD, resp.plan if resp.HasField("plan") else None, resp.num_planned,
-                       tuple(range(resp.num_planned)))
-
-
-def store_handle(resp: "pb.PrepareStoreResponse") -> TransferHandle:
-    """The handle of a leader's ``PrepareStore`` answer (``indices``: the entries planned)."""
-    return plan_handle(PlanKind.STORE, resp.plan if resp.HasField("plan") else None, len(resp.indices),
-                       tuple(resp.indices), resp.skipped_present, resp.skipped_full)
-
-
-def session_lost(exc: grpc.RpcError) -> bool:
-    """The leader does not know our session (it restarted, or the session expired)."""
-    return exc.code() == grpc.StatusCode.NOT_FOUND and "unknown or expired session" in (exc.details() or "")
-
-
 class AsyncKvbmClient:
-    """Async client; create with :meth:`connect`."""
+    """Async client; create with :meth:`connect`. The asyncio shell of a
+    :class:`~kvbm_client.session.SessionCore` (session decisions live there)."""
 
     def __init__(self, config: KvbmConfig | None = None, leader_address: str | None = None,
                  client_name: str = "kvbm-client") -> None:
@@ -93,17 +42,37 @@ class AsyncKvbmClient:
         # With ETCD_ENDPOINTS and no explicit address, the node's leader is looked up in etcd.
         self._discover = not (leader_address or self.config.leader_address) and bool(self.config.etcd_endpoints)
         self.client_name = client_name
-        self.session_id = ""
-        self.workers: dict[str, pb.WorkerInfo] = {}
-        self.regions: dict[str, str] = {}  # worker id -> region id
-        self.max_hashes = 0
+        self._session = SessionCore(client_name)
+        self._regions: dict[WorkerId, str] = {}  # worker id -> region id
         self._channel: grpc.aio.Channel | None = None
-        self._leader: rpc.LeaderStub | None = None
-        self._worker_stubs: dict[str, tuple[grpc.aio.Channel, rpc.WorkerStub]] = {}
-        self._keepalive: asyncio.Task | None = None
-        self._ttl = 10.0
+        self._leader: Any = None  # rpc.LeaderStub (the generated stubs are untyped)
+        self._worker_stubs: dict[WorkerId, tuple[grpc.aio.Channel, Any]] = {}
+        self._keepalive: asyncio.Task[None] | None = None
         self._closed = False
         self.control_timeout = CONTROL_TIMEOUT
+
+    # ------------------------------------------------------------------ state
+    @property
+    def session_id(self) -> SessionId:
+        return self._session.session_id
+
+    @property
+    def max_hashes(self) -> int:
+        return self._session.max_hashes
+
+    @property
+    def workers(self) -> dict[WorkerId, "pb.WorkerInfo"]:
+        """The node's workers (as of the session's opening or the last :meth:`refresh_workers`)."""
+        return self._session.workers
+
+    @property
+    def regions(self) -> Mapping[WorkerId, str]:
+        """Region id of this client's engine memory on each worker (read-only view)."""
+        return MappingProxyType(self._regions)
+
+    def region_id(self, worker_id: str) -> str | None:
+        """The region this client registered on ``worker_id``, or None."""
+        return self._regions.get(WorkerId(worker_id))
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
@@ -125,29 +94,26 @@ class AsyncKvbmClient:
 
     async def _open_session(self, timeout: float = CONTROL_TIMEOUT) -> None:
         try:
-            resp = await self._leader.OpenSession(pb.OpenSessionRequest(client_name=self.client_name),
-                                                  timeout=timeout, wait_for_ready=True)
+            resp = await self._leader.OpenSession(self._session.open_request(), timeout=timeout, wait_for_ready=True)
         except grpc.RpcError as exc:
-            raise from_rpc_error(exc, f"open session at {self.leader_address}") from None
-        self.session_id, self.max_hashes = resp.session_id, resp.max_hashes
-        self._ttl = resp.ttl_ms / 1000
-        self.workers = {w.worker_id: w for w in resp.workers}
+            raise self._session.open_error(exc, self.leader_address, timeout) from None
+        self._session.opened(resp)
 
     async def _keepalive_loop(self) -> None:
+        core = self._session
         while not self._closed:
-            await asyncio.sleep(self._ttl / 3)
+            await asyncio.sleep(core.renew_every_s)
             try:
-                await self._leader.KeepAlive(pb.KeepAliveRequest(session_id=self.session_id),
-                                             timeout=self._ttl / 3)
+                await self._leader.KeepAlive(core.keepalive_request(), timeout=core.renew_every_s)
             except grpc.RpcError as exc:
-                if exc.code() == grpc.StatusCode.NOT_FOUND:  # leader restarted or session expired
-                    try:
-                        await self._open_session()
-                        log.warning("kvbm session re-opened")
-                    except Exception as reopen:
-                        log.debug("re-open failed: %s", reopen)
-                else:
+                if not core.reopen_after(exc):
                     log.debug("keepalive failed: %s", exc.code().name)
+                    continue
+                try:
+                    await self._open_session()
+                    log.warning("kvbm session re-opened")
+                except Exception as reopen:
+                    log.debug("re-open failed: %s", reopen)
 
     async def close(self) -> None:
         """Close the session (releasing pins) and the channels; idempotent."""
@@ -158,7 +124,7 @@ class AsyncKvbmClient:
             self._keepalive.cancel()
         if self._leader is not None and self.session_id:
             try:
-                await self._leader.CloseSession(pb.CloseSessionRequest(session_id=self.session_id), timeout=2)
+                await self._leader.CloseSession(self._session.close_request(), timeout=2)
             except grpc.RpcError:
                 pass
         for channel, _ in self._worker_stubs.values():
@@ -168,20 +134,22 @@ class AsyncKvbmClient:
             await self._channel.close()
 
     # ------------------------------------------------------------------ calls
-    async def _leader_call(self, name: str, request, timeout: float | None = None):
+    async def _leader_call(self, name: str, request: Any, timeout: float | None = None) -> Any:
         for attempt in (0, 1):
+            self._session.stamp(request)
             try:
                 return await getattr(self._leader, name)(request, timeout=timeout or self.control_timeout)
             except grpc.RpcError as exc:
-                if attempt == 0 and session_lost(exc) and hasattr(request, "session_id"):
+                if self._session.retry_after(exc, attempt, request):
                     # The leader restarted (or our session expired): open a new session, retry once.
                     await self._open_session()
                     log.warning("kvbm session re-opened after: %s", exc.details())
-                    request.session_id = self.session_id
                     continue
                 raise from_rpc_error(exc, f"leader {name}") from None
+        raise AssertionError("unreachable: the second attempt returns or raises")
 
-    def _worker(self, worker_id: str) -> rpc.WorkerStub:
+    def _worker(self, worker_id: WorkerId) -> Any:
+        """The worker's stub (``rpc.WorkerStub``), dialled on first use."""
         if worker_id not in self._worker_stubs:
             info = self.workers.get(worker_id)
             if info is None:
@@ -195,13 +163,13 @@ class AsyncKvbmClient:
 
     async def refresh_workers(self) -> None:
         status = await self.status()
-        self.workers = {w.worker_id: w for w in status.workers}
+        self._session.workers = {WorkerId(w.worker_id): w for w in status.workers}
 
     async def wait_ready(self, timeout: float = 30.0) -> None:
         """Wait until every worker of the node has allocated its pools."""
         end = time.monotonic() + timeout
         while True:
-            resp = await self._leader_call("KeepAlive", pb.KeepAliveRequest(session_id=self.session_id))
+            resp = await self._leader_call("KeepAlive", pb.KeepAliveRequest())
             if resp.ready:
                 await self.refresh_workers()
                 return
@@ -211,7 +179,9 @@ class AsyncKvbmClient:
 
     async def register_region(self, worker_id: str, spec: RegionSpec) -> str:
         """Hand an engine KV region to a worker; returns its region id. Waits (up to the
-        control timeout) for a worker that has not attached to the leader yet."""
+        control timeout) for a worker that has not attached to the leader yet. Registers
+        afresh when called again (e.g. after the worker restarted and lost its regions)."""
+        worker_id = WorkerId(worker_id)
         end = time.monotonic() + CONTROL_TIMEOUT
         while worker_id not in self.workers:
             await self.refresh_workers()
@@ -226,11 +196,12 @@ class AsyncKvbmClient:
                                                                 wait_for_ready=True)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, f"worker {worker_id} RegisterRegion") from None
-        self.regions[worker_id] = resp.region_id
-        return resp.region_id
+        self._regions[worker_id] = resp.region_id
+        return str(resp.region_id)
 
     async def unregister_region(self, worker_id: str) -> None:
-        region_id = self.regions.pop(worker_id, None)
+        worker_id = WorkerId(worker_id)
+        region_id = self._regions.pop(worker_id, None)
         if region_id is None:
             return
         try:
@@ -242,14 +213,14 @@ class AsyncKvbmClient:
     async def match(self, hashes: Sequence[BlockHash], tokens_per_block: int = 0,
                     count_hit: bool = True) -> MatchResult:
         resp = await self._leader_call("Match", pb.MatchRequest(
-            session_id=self.session_id, hashes=list(hashes), count_hit=count_hit, tokens_per_block=tokens_per_block))
+            hashes=list(hashes), count_hit=count_hit, tokens_per_block=tokens_per_block))
         return MatchResult.from_response(resp)
 
     # ------------------------------------------------------------------ transfers
     async def prepare_store(self, hashes: Sequence[BlockHash],
                             parents: Sequence[BlockHash] | None = None) -> TransferHandle:
         resp = await self._leader_call("PrepareStore", pb.PrepareStoreRequest(
-            session_id=self.session_id, hashes=list(hashes), parent_hashes=list(parents or [])))
+            hashes=list(hashes), parent_hashes=list(parents or [])))
         return store_handle(resp)
 
     async def prepare_load(self, hashes: Sequence[BlockHash], count_hit: bool = False,
@@ -257,11 +228,10 @@ class AsyncKvbmClient:
         """Plan and pin the longest stored prefix of ``hashes`` (``count_hit``: also count it
         as a lookup, saving a separate :meth:`match` round trip)."""
         resp = await self._leader_call("PrepareLoad", pb.PrepareLoadRequest(
-            session_id=self.session_id, hashes=list(hashes), count_hit=count_hit,
-            tokens_per_block=tokens_per_block))
+            hashes=list(hashes), count_hit=count_hit, tokens_per_block=tokens_per_block))
         return load_handle(resp)
 
-    def start(self, handle: TransferHandle, engine_blocks: Sequence[int],
+    def start(self, handle: TransferHandle, engine_blocks: Sequence[EngineBlockId] | Sequence[int],
               worker_ids: Sequence[str] | None = None) -> None:
         """Send the planned entries' engine blocks to each worker (one call per worker)."""
         if handle.is_empty:
@@ -269,18 +239,19 @@ class AsyncKvbmClient:
         blocks = list(engine_blocks)
         if len(blocks) != handle.num_blocks:
             raise KvbmRequestError(f"{len(blocks)} engine blocks for {handle.num_blocks} planned entries")
-        targets = list(worker_ids or self.workers)
+        targets = [WorkerId(w) for w in worker_ids or self.workers]
         if not targets:  # e.g. a session re-opened while the workers re-attached to a new leader
             raise KvbmUnavailableError("no worker of this node is known; call refresh_workers()")
         for worker_id in targets:
-            region_id = self.regions.get(worker_id)
+            region_id = self._regions.get(worker_id)
             if region_id is None:
                 raise KvbmRequestError(f"no engine region registered on worker {worker_id}")
             request = pb.TransferRequest(region_id=region_id, plan=handle.signed, engine_blocks=blocks)
             timeout = max(1.0, handle.deadline - time.monotonic()) * 2 + 5
             handle.tasks.append(asyncio.ensure_future(self._transfer(worker_id, request, timeout)))
 
-    async def _transfer(self, worker_id: str, request, timeout: float):
+    async def _transfer(self, worker_id: WorkerId, request: "pb.TransferRequest",
+                        timeout: float) -> "pb.TransferResponse":
         try:
             return await self._worker(worker_id).Transfer(request, timeout=timeout)
         except grpc.RpcError as exc:
@@ -288,14 +259,14 @@ class AsyncKvbmClient:
                 await self._forget_worker_channel(worker_id)
             raise
 
-    async def _forget_worker_channel(self, worker_id: str) -> None:
+    async def _forget_worker_channel(self, worker_id: WorkerId) -> None:
         """Drop a channel to a worker that went away, so a restarted worker is dialled afresh
         (instead of waiting out gRPC's reconnect backoff)."""
         entry = self._worker_stubs.pop(worker_id, None)
         if entry is not None:
             await entry[0].close()
 
-    async def offload(self, hashes: Sequence[BlockHash], engine_blocks: Sequence[int],
+    async def offload(self, hashes: Sequence[BlockHash], engine_blocks: Sequence[EngineBlockId] | Sequence[int],
                       parents: Sequence[BlockHash] | None = None) -> TransferHandle:
         """Store engine blocks under ``hashes``; entries already stored or not fitting are skipped."""
         if len(hashes) != len(engine_blocks):
@@ -304,7 +275,8 @@ class AsyncKvbmClient:
         self.start(handle, [engine_blocks[i] for i in handle.indices])
         return handle
 
-    async def onboard(self, hashes: Sequence[BlockHash], engine_blocks: Sequence[int]) -> TransferHandle:
+    async def onboard(self, hashes: Sequence[BlockHash],
+                      engine_blocks: Sequence[EngineBlockId] | Sequence[int]) -> TransferHandle:
         """Load the longest stored prefix of ``hashes`` into ``engine_blocks[:n]``."""
         if len(hashes) != len(engine_blocks):
             raise KvbmRequestError(f"{len(hashes)} hashes for {len(engine_blocks)} engine blocks")
@@ -317,20 +289,21 @@ class AsyncKvbmClient:
         if handle.is_empty:
             return TransferResult(None, 0, 0, 0.0)
         results = await asyncio.gather(*handle.tasks, return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            err = errors[0]
-            if isinstance(err, grpc.RpcError):
-                raise from_rpc_error(err, f"job {handle.job_id}") from None
-            raise KvbmUnavailableError(f"job {handle.job_id}: {err}") from err
-        return TransferResult(handle.job_id, handle.num_blocks, sum(r.bytes for r in results),
-                              max(r.seconds for r in results))
+        answers: list[pb.TransferResponse] = []
+        for r in results:
+            if isinstance(r, grpc.RpcError):
+                raise from_rpc_error(r, f"job {handle.job_id}") from None
+            if isinstance(r, BaseException):
+                raise KvbmUnavailableError(f"job {handle.job_id}: {r}") from r
+            answers.append(r)
+        return TransferResult(handle.job_id, handle.num_blocks, sum(r.bytes for r in answers),
+                              max(r.seconds for r in answers))
 
     async def release(self, handle: TransferHandle) -> None:
         """Give back a prepared job that will not be started (unpins a load)."""
         if handle.is_empty or handle.tasks:
             return
-        await self._leader_call("Release", pb.ReleaseRequest(session_id=self.session_id, job_id=handle.job_id))
+        await self._leader_call("Release", pb.ReleaseRequest(job_id=handle.job_id))
 
 
 class KvbmClient:
@@ -361,13 +334,13 @@ class KvbmClient:
         self._thread.join(5)
         self._loop.close()
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         attr = getattr(self.aio, name)
         if asyncio.iscoroutinefunction(attr):
             return lambda *a, **kw: self._run(attr(*a, **kw))
         return attr
 
-    def start(self, handle: TransferHandle, engine_blocks: Sequence[int],
+    def start(self, handle: TransferHandle, engine_blocks: Sequence[EngineBlockId] | Sequence[int],
               worker_ids: Sequence[str] | None = None) -> None:
         async def _start() -> None:
             self.aio.start(handle, engine_blocks, worker_ids)
@@ -384,5 +357,5 @@ class KvbmClient:
     def __enter__(self) -> "KvbmClient":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

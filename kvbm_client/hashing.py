@@ -1,23 +1,152 @@
-"""Sequence hashing of token blocks (xxh3-64, chained, salted), as Dynamo KVBM does.
+"""Block identities: which full token blocks are "the same KV".
 
-``block_hash(i) = xxh3_64(tokens of block i, seed=salt)``; the first block's sequence hash is
-its block hash; block i's sequence hash is ``xxh3_64(seq(i-1) || block_hash(i), seed=salt)``.
-So equal sequence hashes mean equal salt and equal tokens from the start of the request.
-The salt folds in what must keep tenants apart (``cache_salt``, LoRA adapter, model).
+Two schemes live here.
 
-Engines that already hash their blocks (vLLM's ``request.block_hashes``) pass those bytes
-through :func:`engine_hashes` instead.
+:class:`BlockIdentity` is kvbm's own identity of a request's blocks, the one the engine
+connectors use. It is the same in every process (no per-process seed), so a restarted engine
+and a sibling engine on the node hit the blocks another one stored. One streaming xxh3-128
+state per request, fed once per block as the request grows::
+
+    header  = VERSION | namespace | block_size | cache_salt | lora_name | lora_path | has_mm
+    key(i)  = xxh3_128(header | block(0) | ... | block(i))      (16 bytes)
+    block(j) = token ids of block j (uint32 little-endian)
+               [| multimodal inputs overlapping block j, when has_mm]
+
+So the key of block ``i`` is a chained identity of the whole prefix up to it: equal keys
+mean equal namespace (model, dtype, block size), equal tenant (``cache_salt``), equal LoRA
+adapter (name and path) and equal tokens and multimodal inputs from the start of the
+request. Every field is length-prefixed or fixed-size, so two different requests never
+encode to the same bytes. This folds exactly what vLLM's own block hashes fold (its
+``generate_block_hash_extra_keys``: LoRA, multimodal hashes with their offset in the block,
+cache salt), so kvbm separates tenants and adapters as strongly as the engine does.
+
+:func:`sequence_hashes` is Dynamo KVBM's xxh3-64 chain over token blocks, kept for clients
+of :class:`~kvbm_client.client.KvbmClient` (``block_hash(i) = xxh3_64(tokens of block i,
+seed=salt)``; block i's sequence hash is ``xxh3_64(seq(i-1) || block_hash(i), seed=salt)``).
+Engines that already hash their blocks pass those bytes through :func:`engine_hashes`.
 """
 from __future__ import annotations
 
+import struct
+import sys
 from array import array
-from typing import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Iterable, Sequence, cast
 
 import xxhash
 
 from .ids import MAX_HASH_BYTES, BlockHash
 
 _U64 = (1 << 64) - 1
+
+#: Version tag of :class:`BlockIdentity`'s encoding; bump it when the encoding changes (keys
+#: of the old encoding then simply never match again).
+IDENTITY_VERSION = b"kvbm-block-identity/1"
+#: Bytes of a :class:`BlockIdentity` key.
+IDENTITY_BYTES = 16
+
+assert array("I").itemsize == 4, "token ids are encoded as 32-bit unsigned integers"
+
+
+@dataclass(frozen=True, slots=True)
+class MultimodalSpan:
+    """A multimodal input of a request: its content hash (vLLM's ``mm_feature.identifier``,
+    older ``mm_hashes``) and the token positions its placeholder occupies."""
+
+    identifier: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class RequestExtras:
+    """What decides a request's KV besides its token ids (read once, when the request is new).
+
+    An empty ``cache_salt`` is no salt (as in vLLM). ``multimodal`` is sorted by offset.
+    """
+
+    cache_salt: str | None = None
+    lora_name: str | None = None
+    lora_path: str | None = None
+    multimodal: tuple[MultimodalSpan, ...] = ()
+
+
+def _field(text: str) -> bytes:
+    data = text.encode()
+    return struct.pack("<I", len(data)) + data
+
+
+def _optional(text: str | None) -> bytes:
+    return b"\x01" + _field(text) if text else b"\x00"
+
+
+class BlockIdentity:
+    """kvbm's keys of one request's full blocks, computed once per block as the request grows.
+
+    Runs wherever blocks are keyed (a connector's scheduler role). Owns one xxh3-128 streaming
+    state; invariant: the state has absorbed the header and exactly ``len(keys)`` blocks.
+    """
+
+    __slots__ = ("block_size", "keys", "_state", "_multimodal", "_mm_next")
+
+    def __init__(self, namespace: str, block_size: int, extras: RequestExtras = RequestExtras()) -> None:
+        if block_size <= 0:
+            raise ValueError("block_size must be positive")
+        self.block_size = block_size
+        #: keys of the blocks hashed so far; block i's key is ``keys[i]``
+        self.keys: list[BlockHash] = []
+        self._multimodal = extras.multimodal
+        self._mm_next = 0  # first multimodal input that does not end before the next block
+        header = (IDENTITY_VERSION + _field(namespace) + struct.pack("<I", block_size)
+                  + _optional(extras.cache_salt) + _optional(extras.lora_name) + _optional(extras.lora_path)
+                  + (b"\x01" if extras.multimodal else b"\x00"))
+        self._state = xxhash.xxh3_128(header)
+
+    def update(self, tokens: Sequence[int]) -> list[BlockHash]:
+        """Hash the full blocks of ``tokens`` (the request's token ids from its start) not
+        hashed yet; returns :attr:`keys`. A partial last block is left for a later call.
+
+        Raises:
+            OverflowError: a token id is negative or does not fit 32 bits.
+        """
+        start = len(self.keys) * self.block_size
+        end = len(tokens) // self.block_size * self.block_size
+        if end <= start:
+            return self.keys
+        ids = array("I", tokens[start:end])
+        if sys.byteorder == "big":
+            ids.byteswap()
+        data = memoryview(ids).cast("B")
+        step = self.block_size * 4
+        update, digest = self._state.update, self._state.digest
+        if not self._multimodal:
+            # NOTE: the hot path (a 20K-token prompt is ~1250 blocks): two C calls per block.
+            self.keys += cast(list[BlockHash], [update(data[o:o + step]) or digest()
+                                                 for o in range(0, len(data), step)])
+            return self.keys
+        for i, o in enumerate(range(0, len(data), step)):
+            update(data[o:o + step])
+            update(self._multimodal_record(start + i * self.block_size))
+            self.keys.append(BlockHash(digest()))
+        return self.keys
+
+    def _multimodal_record(self, first: int) -> bytes:
+        """The multimodal inputs overlapping tokens ``[first, first + block_size)``: count,
+        then per input its hash, its offset relative to ``first`` and its length."""
+        last = first + self.block_size
+        spans = self._multimodal
+        while self._mm_next < len(spans) and spans[self._mm_next].offset + spans[self._mm_next].length <= first:
+            self._mm_next += 1
+        inside = []
+        for span in spans[self._mm_next:]:
+            if span.offset >= last:  # sorted by offset: no later input reaches this block
+                break
+            if span.offset + span.length > first:
+                inside.append(span)
+        record = struct.pack("<I", len(inside))
+        for span in inside:
+            record += _field(span.identifier) + struct.pack("<qI", span.offset - first, span.length)
+        return record
 
 
 def salt_hash(*, model: str | None = None, cache_salt: str | None = None, lora_name: str | None = None) -> int:

@@ -16,21 +16,24 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import grpc
 
-from .client import TransferHandle, load_handle, session_lost, store_handle
 from .channels import open_channel
+from .handles import TransferHandle, load_handle, store_handle
 from .config import KvbmConfig
 from .contract import pb, rpc
-from .errors import KvbmError, KvbmUnavailableError, from_rpc_error
-from .ids import BlockHash
+from .errors import KvbmError, from_rpc_error
+from .ids import BlockHash, SessionId
+from .session import SessionCore
 
 log = logging.getLogger("kvbm.client")
 
 
 class LeaderSession:
-    """``prepare_load`` / ``prepare_store`` / ``release`` against one leader, synchronously.
+    """``prepare_load`` / ``prepare_store`` / ``release`` against one leader, synchronously:
+    the blocking shell of a :class:`~kvbm_client.session.SessionCore`.
 
     Raises :class:`~kvbm_client.errors.KvbmError` subclasses (``KvbmUnavailableError`` when
     the leader cannot be reached within ``timeout``).
@@ -39,12 +42,10 @@ class LeaderSession:
     def __init__(self, address: str, client_name: str = "kvbm-scheduler", timeout: float = 2.0,
                  config: KvbmConfig | None = None) -> None:
         self.address = address
-        self.client_name = client_name
         self.timeout = timeout
-        self.session_id = ""
-        self.ttl_s = 10.0
+        self._session = SessionCore(client_name)
         self._channel = open_channel(address, config or KvbmConfig.from_env())
-        self._stub = rpc.LeaderStub(self._channel)
+        self._stub: Any = rpc.LeaderStub(self._channel)  # the generated stubs are untyped
         self._stop = threading.Event()
         try:
             self._open(wait_for_ready=True)
@@ -54,42 +55,49 @@ class LeaderSession:
         self._renewer = threading.Thread(target=self._renew, name="kvbm-session", daemon=True)
         self._renewer.start()
 
+    @property
+    def session_id(self) -> SessionId:
+        return self._session.session_id
+
+    @property
+    def ttl_s(self) -> float:
+        return self._session.ttl_s
+
     # ------------------------------------------------------------------ session
     def _open(self, wait_for_ready: bool = False) -> None:
         try:
-            resp = self._stub.OpenSession(pb.OpenSessionRequest(client_name=self.client_name),
-                                          timeout=self.timeout, wait_for_ready=wait_for_ready)
+            resp = self._stub.OpenSession(self._session.open_request(), timeout=self.timeout,
+                                          wait_for_ready=wait_for_ready)
         except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise KvbmUnavailableError(f"open session at {self.address}: no leader answered within "
-                                           f"{self.timeout:g}s") from None
-            raise from_rpc_error(exc, f"open session at {self.address}") from None
-        self.session_id, self.ttl_s = resp.session_id, resp.ttl_ms / 1000
+            raise self._session.open_error(exc, self.address, self.timeout) from None
+        self._session.opened(resp)
 
     def _renew(self) -> None:
-        while not self._stop.wait(self.ttl_s / 3):
+        core = self._session
+        while not self._stop.wait(core.renew_every_s):
             try:
-                self._stub.KeepAlive(pb.KeepAliveRequest(session_id=self.session_id), timeout=self.ttl_s / 3)
+                self._stub.KeepAlive(core.keepalive_request(), timeout=core.renew_every_s)
             except grpc.RpcError as exc:
-                if session_lost(exc):
-                    try:
-                        self._open()
-                        log.warning("kvbm session re-opened at %s", self.address)
-                    except KvbmError as reopen:
-                        log.debug("kvbm session re-open failed: %s", reopen)
-                else:
+                if not core.reopen_after(exc):
                     log.debug("kvbm keepalive failed: %s", exc.code().name)
+                    continue
+                try:
+                    self._open()
+                    log.warning("kvbm session re-opened at %s", self.address)
+                except KvbmError as reopen:
+                    log.debug("kvbm session re-open failed: %s", reopen)
 
-    def _call(self, name: str, request):
+    def _call(self, name: str, request: Any) -> Any:
         for attempt in (0, 1):
-            request.session_id = self.session_id
+            self._session.stamp(request)
             try:
                 return getattr(self._stub, name)(request, timeout=self.timeout)
             except grpc.RpcError as exc:
-                if attempt == 0 and session_lost(exc):  # the leader restarted: new session, once
+                if self._session.retry_after(exc, attempt, request):  # the leader restarted: new session, once
                     self._open()
                     continue
                 raise from_rpc_error(exc, f"leader {name}") from None
+        raise AssertionError("unreachable: the second attempt returns or raises")
 
     # ------------------------------------------------------------------ calls
     def prepare_load(self, hashes: Sequence[BlockHash], count_hit: bool = False,
@@ -116,7 +124,7 @@ class LeaderSession:
             return
         self._stop.set()
         try:
-            self._stub.CloseSession(pb.CloseSessionRequest(session_id=self.session_id), timeout=2)
+            self._stub.CloseSession(self._session.close_request(), timeout=2)
         except grpc.RpcError:
             pass
         self._channel.close()
@@ -124,5 +132,5 @@ class LeaderSession:
     def __enter__(self) -> "LeaderSession":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

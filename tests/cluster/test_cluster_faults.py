@@ -64,8 +64,7 @@ def test_worker_kill_9_of_one_rank_unmatches_the_logical_blocks(etcd, nats_serve
     wait_for(lambda: client.match(keys).num_matched == 0, 5, "blocks missing rank 1 unmatchable")
     node.start_worker("1")
     node.wait_attached()
-    client.aio.regions.pop("1", None)  # the engine re-registers with the restarted worker
-    client.register_region("1", engines["1"].spec())
+    client.register_region("1", engines["1"].spec())  # the engine re-registers with the restarted worker
     client.wait_ready(20)
     client.wait(client.offload(keys, [0, 1, 2, 3]))
     client.wait(client.onboard(keys, [30, 31, 32, 33]))

@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 
 from kvbm_client import sequence_hashes
-from kvbm_client.connectors.vllm.early_loads import EarlyLoads
-from kvbm_client.connectors.vllm.metadata import LoadSpec
-from kvbm_client.connectors.vllm.settings import ConnectorSettings
-from kvbm_client.contract import GRPC_OPTIONS, pb, rpc
+from kvbm_client.channels import open_channel
+from kvbm_client.connectors.core import ConnectorSettings, EarlyLoads, LoadSpec
+from kvbm_client.contract import pb, rpc
 from kvbm_client.leader_session import LeaderSession
 
 
@@ -38,7 +37,7 @@ class Setup:
         self.session = LeaderSession(node.leader_address, timeout=5)
         self.load = self.session.prepare_load(keys)
         assert self.load.num_blocks == 6
-        channel = grpc.insecure_channel(node.config().worker_address("0"), options=GRPC_OPTIONS)
+        channel = open_channel(node.config().worker_address("0"), node.config())
         self.stub = rpc.WorkerStub(channel)
         self.region_id = self.stub.Status(pb.WorkerStatusRequest(), timeout=5).region_id
         assert self.region_id

@@ -1,12 +1,17 @@
-"""Sequence hashing: xxh3-64, chained, salted; engine hashes passed through."""
+"""Block identities: kvbm's own (xxh3-128 streamed per request); Dynamo's sequence hashes
+(xxh3-64, chained, salted); engine hashes passed through."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from array import array
 
 import pytest
 import xxhash
 
-from kvbm_client.hashing import engine_hashes, salt_hash, sequence_hashes
+from kvbm_client.hashing import (IDENTITY_BYTES, BlockIdentity, MultimodalSpan, RequestExtras, engine_hashes,
+                                 salt_hash, sequence_hashes)
 from kvbm_client.ids import MAX_HASH_BYTES
 
 BS = 4  # tokens per block
@@ -172,3 +177,135 @@ def test_engine_hashes_accept_the_maximum_length() -> None:
 
 def test_engine_hashes_of_nothing() -> None:
     assert engine_hashes(iter([])) == []
+
+
+# --------------------------------------------------------------------------- block identity
+NS = "model-a|float16|4"
+
+
+def identity_keys(tokens, namespace=NS, block_size=BS, **extras):
+    return BlockIdentity(namespace, block_size, RequestExtras(**extras)).update(tokens)
+
+
+def test_identity_is_sixteen_bytes_per_full_block_and_deterministic() -> None:
+    tokens = make_tokens(5 * BS + 2)
+    keys = identity_keys(tokens)
+    assert len(keys) == 5 and all(type(k) is bytes and len(k) == IDENTITY_BYTES for k in keys)
+    assert len(set(keys)) == 5
+    assert keys == identity_keys(list(tokens))
+
+
+def test_identity_matches_the_documented_encoding() -> None:
+    """The module docstring's scheme, written out independently: key(i) = xxh3_128 of the
+    header and every block up to i."""
+    tokens = make_tokens(3 * BS, start=70_000)
+
+    def field(text: str) -> bytes:
+        return len(text.encode()).to_bytes(4, "little") + text.encode()
+
+    header = b"kvbm-block-identity/1" + field(NS) + BS.to_bytes(4, "little") + b"\x01" + field("salt") + b"\x00" * 3
+    stream = header
+    expected = []
+    for i in range(3):
+        stream += b"".join(t.to_bytes(4, "little") for t in tokens[i * BS:(i + 1) * BS])
+        expected.append(xxhash.xxh3_128_digest(stream))
+    assert identity_keys(tokens, cache_salt="salt") == expected
+
+
+def test_identity_is_the_same_in_another_process_with_another_hash_seed() -> None:
+    """No per-process seed: a restarted (or sibling) engine computes the same keys."""
+    tokens = make_tokens(4 * BS, start=11)
+    code = ("import sys; from kvbm_client.hashing import BlockIdentity, RequestExtras; "
+            f"print(b''.join(BlockIdentity({NS!r}, {BS}, RequestExtras(cache_salt='t', lora_name='l'))"
+            f".update(list(range(11, 11 + {4 * BS})))).hex())")
+    env = dict(os.environ, PYTHONHASHSEED="random")
+    outs = {subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                           check=True).stdout.strip() for _ in range(2)}
+    assert outs == {b"".join(identity_keys(tokens, cache_salt="t", lora_name="l")).hex()}
+
+
+@pytest.mark.parametrize("step", [1, 3, BS, 2 * BS + 1])
+def test_identity_grows_incrementally_as_one_pass_would(step: int) -> None:
+    tokens = make_tokens(6 * BS + 3)
+    grown = BlockIdentity(NS, BS)
+    for end in range(0, len(tokens) + 1, step):
+        keys = grown.update(tokens[:end])
+        assert len(keys) == end // BS
+    grown.update(tokens)
+    assert grown.keys == identity_keys(tokens)
+
+
+def test_identity_is_a_chain_over_the_whole_prefix() -> None:
+    a = make_tokens(4 * BS)
+    b = list(a)
+    b[1] += 1  # differ in the first block only
+    ka, kb = identity_keys(a), identity_keys(b)
+    assert all(x != y for x, y in zip(ka, kb))
+    c = a[:2 * BS] + [5] * (2 * BS)
+    assert identity_keys(c)[:2] == ka[:2] and identity_keys(c)[2] != ka[2]
+
+
+@pytest.mark.parametrize("left, right", [
+    (dict(cache_salt="tenant-a"), dict(cache_salt="tenant-b")),
+    (dict(cache_salt="tenant-a"), dict()),
+    (dict(lora_name="a"), dict(lora_name="b")),
+    (dict(lora_name="a"), dict()),
+    (dict(lora_name="a", lora_path="/x"), dict(lora_name="a", lora_path="/y")),
+    (dict(cache_salt="x"), dict(lora_name="x")),
+    (dict(lora_name="x"), dict(lora_path="x")),
+    (dict(multimodal=(MultimodalSpan("img-1", 2, 3),)), dict(multimodal=(MultimodalSpan("img-2", 2, 3),))),
+    (dict(multimodal=(MultimodalSpan("img-1", 2, 3),)), dict(multimodal=(MultimodalSpan("img-1", 1, 3),))),
+    (dict(multimodal=(MultimodalSpan("img-1", 2, 3),)), dict()),
+])
+def test_tenants_adapters_and_images_never_share_a_block(left: dict, right: dict) -> None:
+    tokens = make_tokens(3 * BS)
+    kl, kr = identity_keys(tokens, **left), identity_keys(tokens, **right)
+    assert not set(kl) & set(kr), "a block is shared from the first one on"
+    assert identity_keys(tokens, **left) == kl  # same extras: same keys
+
+
+@pytest.mark.parametrize("left, right", [
+    (dict(namespace="model-a|float16|4"), dict(namespace="model-b|float16|4")),
+    (dict(namespace="model-a|float16|4"), dict(namespace="model-a|bfloat16|4")),
+])
+def test_models_never_share_a_block(left: dict, right: dict) -> None:
+    tokens = make_tokens(3 * BS)
+    assert not set(identity_keys(tokens, **left)) & set(identity_keys(tokens, **right))
+
+
+def test_block_size_is_part_of_the_identity() -> None:
+    tokens = make_tokens(8)
+    # Without it, block 1 at 4 tokens per block would be hashed over the very same bytes as
+    # block 0 at 8 tokens per block.
+    assert identity_keys(tokens, block_size=4)[1] != identity_keys(tokens, block_size=8)[0]
+
+
+def test_an_empty_salt_is_no_salt_as_in_vllm() -> None:
+    tokens = make_tokens(2 * BS)
+    assert identity_keys(tokens, cache_salt="") == identity_keys(tokens)
+
+
+def test_a_multimodal_input_changes_the_blocks_it_overlaps_and_everything_after() -> None:
+    tokens = make_tokens(4 * BS)
+    img = dict(multimodal=(MultimodalSpan("img", BS + 1, BS),))  # tokens 5..8: blocks 1 and 2
+    other = dict(multimodal=(MultimodalSpan("img", BS + 1, BS + 1),))  # one token longer
+    a, b = identity_keys(tokens, **img), identity_keys(tokens, **other)
+    assert a[0] == b[0]
+    assert a[1] != b[1] and a[2] != b[2] and a[3] != b[3]
+
+
+def test_multimodal_identity_grows_incrementally_as_one_pass_would() -> None:
+    tokens = make_tokens(6 * BS)
+    spans = (MultimodalSpan("a", 1, 2), MultimodalSpan("b", 3, 6), MultimodalSpan("c", 20, 1))
+    grown = BlockIdentity(NS, BS, RequestExtras(multimodal=spans))
+    for end in range(0, len(tokens) + 1, 5):
+        grown.update(tokens[:end])
+    assert grown.update(tokens) == identity_keys(tokens, multimodal=spans)
+
+
+@pytest.mark.parametrize("bad", [-1, 1 << 32])
+def test_token_ids_beyond_32_bits_are_refused(bad: int) -> None:
+    with pytest.raises(OverflowError):
+        identity_keys([1, 2, 3, bad])
+    with pytest.raises(ValueError):
+        BlockIdentity(NS, 0)

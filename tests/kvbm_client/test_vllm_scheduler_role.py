@@ -6,6 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from kvbm_client.connectors.core.settings import ConnectorSettings
+
 BS = 16
 
 
@@ -16,31 +18,39 @@ def scheduler_module():
 
 
 class FakeLeader:
-    """Answers PrepareLoad with ``stored`` leading blocks; records every call."""
+    """Answers PrepareLoad with ``stored`` leading blocks; records every call (a stand-in for
+    the leader link, injected through the role's constructor)."""
 
     def __init__(self, stored: int) -> None:
         self.stored = stored
         self.calls: list[tuple] = []
 
-    def __call__(self, name: str, *args, **kwargs):
-        self.calls.append((name, args))
-        if name != "prepare_load":
-            return None
-        n = min(self.stored, len(args[0]))
+    def prepare_load(self, hashes, count_hit=False, tokens_per_block=0):
+        self.calls.append(("prepare_load", (hashes,)))
+        n = min(self.stored, len(hashes))
         signed = SimpleNamespace(plan=b"plan", signature=b"sig")
         return SimpleNamespace(num_blocks=n, is_empty=n == 0, signed=signed if n else None)
 
+    def prepare_store(self, hashes):
+        self.calls.append(("prepare_store", (hashes,)))
+        return None
+
+    def release(self, handle):
+        self.calls.append(("release", (handle,)))
+
+    def close(self):
+        pass
+
 
 def make(module, mode: str, leader: FakeLeader):
-    settings = module.ConnectorSettings("unix:/x", "unix:/x-{id}", "ns", 1.0, 1.0, load_mode=mode)
-    role = module.KvbmConnectorScheduler(BS, settings)
-    role._call = leader
-    return role
+    settings = ConnectorSettings("unix:/x", "unix:/x-{id}", "ns", 1.0, 1.0, load_mode=mode)
+    return module.KvbmConnectorScheduler(BS, settings, leader=leader)
 
 
 def request(n_blocks: int, tail: int = 5):
-    return SimpleNamespace(request_id="r1", block_hashes=[bytes([i]) * 32 for i in range(n_blocks)],
-                           num_tokens=n_blocks * BS + tail)
+    tokens = list(range(n_blocks * BS + tail))
+    return SimpleNamespace(request_id="r1", all_token_ids=tokens, num_tokens=len(tokens), num_computed_tokens=0,
+                           cache_salt=None, lora_request=None, mm_features=[], prompt_embeds=None)
 
 
 @pytest.mark.parametrize("mode,is_async", [("sync", False), ("async", True)])
@@ -77,3 +87,36 @@ def test_at_least_one_prompt_token_is_left_to_compute(scheduler_module):
     role = make(scheduler_module, "sync", leader)
     req = request(8, tail=0)  # a prompt of exactly 8 full blocks
     assert role.get_num_new_matched_tokens(req, 0) == (7 * BS, False)
+
+
+def vllm_request(**attrs):
+    """The attributes vLLM 0.26 / 0.32 ``Request`` objects carry (``mm_features`` entries have
+    ``identifier`` and ``mm_position.offset/length``; ``lora_request`` has ``lora_name`` and
+    ``lora_path``)."""
+    base = dict(request_id="r", all_token_ids=list(range(40)), num_computed_tokens=0, cache_salt=None,
+                lora_request=None, mm_features=[], prompt_embeds=None)
+    return SimpleNamespace(**{**base, **attrs})
+
+
+def mm(identifier, offset, length):
+    return SimpleNamespace(identifier=identifier, mm_position=SimpleNamespace(offset=offset, length=length))
+
+
+def test_vllm_request_extras_fold_salt_lora_and_images(scheduler_module):
+    extras = scheduler_module.request_extras
+    assert extras(vllm_request()) == scheduler_module.RequestExtras()
+    assert extras(vllm_request(cache_salt="t")).cache_salt == "t"
+    assert extras(vllm_request(cache_salt="")).cache_salt is None
+    lora = extras(vllm_request(lora_request=SimpleNamespace(lora_name="sql", lora_path="/a/sql", lora_int_id=3)))
+    assert (lora.lora_name, lora.lora_path) == ("sql", "/a/sql")
+    images = extras(vllm_request(mm_features=[mm("h2", 20, 4), mm("h1", 3, 5)]))
+    assert [(s.identifier, s.offset, s.length) for s in images.multimodal] == [("h1", 3, 5), ("h2", 20, 4)]
+    older = extras(vllm_request(mm_features=None, mm_hashes=["h1"], mm_positions=[SimpleNamespace(offset=3, length=5)]))
+    assert [(s.identifier, s.offset) for s in older.multimodal] == [("h1", 3)]
+
+
+@pytest.mark.parametrize("attrs", [dict(prompt_embeds=object()), dict(mm_features=[mm(None, 0, 4)]),
+                                   dict(mm_features=None, mm_hashes=["h1", "h2"],
+                                        mm_positions=[SimpleNamespace(offset=0, length=1)])])
+def test_vllm_requests_kvbm_cannot_identify_are_left_alone(scheduler_module, attrs):
+    assert scheduler_module.request_extras(vllm_request(**attrs)) is None

@@ -1,5 +1,5 @@
-"""The connector's settings (``kv_connector_extra_config`` over ``DYN_KVBM_*``), without vLLM
-(the package imports ``KvbmConnector`` lazily)."""
+"""The connectors' settings (vLLM's ``kv_connector_extra_config`` over ``DYN_KVBM_*``), without
+vLLM (they live in the engine-independent core)."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +7,7 @@ import pytest
 
 @pytest.fixture
 def settings():
-    from kvbm_client.connectors.vllm import settings
+    from kvbm_client.connectors.core import settings
     return settings
 
 

@@ -33,6 +33,8 @@ def main() -> None:
     p.add_argument("--dtype", default="float32",
                    help="model dtype; float32 so that greedy tokens do not flip on rounding noise when a "
                         "prefix is loaded instead of computed (bf16 near-ties did, on some CPUs)")
+    p.add_argument("--hash-algo", default="", help="vLLM's prefix_caching_hash_algo (xxhash: its own block hashes "
+                   "get a random seed per process unless PYTHONHASHSEED is set, as vLLM 0.26's do)")
     p.add_argument("--max-model-len", type=int, default=896)
     p.add_argument("--users", type=int, default=4)
     p.add_argument("--rounds", type=int, default=3)
@@ -57,6 +59,8 @@ def main() -> None:
                                     "kv_connector_module_path": "kvbm_client.connectors.vllm",
                                     "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                                     "kv_connector_extra_config": json.loads(args.kvbm_extra)}
+    if args.hash_algo:
+        kw["prefix_caching_hash_algo"] = args.hash_algo
     llm = LLM(model=args.model, dtype=args.dtype, enforce_eager=True, block_size=32,
               max_model_len=args.max_model_len, seed=0,
               kv_cache_memory_bytes=args.g1_bytes, enable_prefix_caching=True, max_num_seqs=4,
@@ -92,7 +96,7 @@ def main() -> None:
         if m.name.startswith("vllm:external_prefix_cache") or m.name.startswith("vllm:prefix_cache"):
             metrics[m.name] = getattr(m, "value", None)
     with open(args.out, "w") as f:
-        json.dump({"records": records, "metrics": metrics}, f)
+        json.dump({"records": records, "metrics": metrics, "pythonhashseed": os.environ.get("PYTHONHASHSEED")}, f)
     llm.llm_engine.engine_core.shutdown()  # stop EngineCore and workers (connector shutdown runs)
 
 

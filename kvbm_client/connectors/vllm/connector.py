@@ -1,9 +1,10 @@
 """``KvbmConnector``: vLLM's ``KVConnectorBase_V1``, a role facade.
 
 The scheduler role (:class:`.scheduler.KvbmConnectorScheduler`) talks to the leader; the
-worker role (:class:`.worker.KvbmConnectorWorker`) talks to its worker daemon. The roles
-share no state: the scheduler's decisions reach workers only as
-:class:`.metadata.KvbmConnectorMetadata`.
+worker role (:class:`.worker.KvbmConnectorWorker`) talks to its worker daemon. Both are thin
+translations of vLLM's hooks over the engine-independent core (:mod:`..core`), which the
+TensorRT-LLM connector shares. The roles share no state: the scheduler's decisions reach
+workers only as :class:`.metadata.KvbmConnectorMetadata`.
 
 Supported vLLM: 0.26 - 0.32 (see :mod:`.compat`).
 """
@@ -14,16 +15,20 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
+from ...ids import EngineBlockId
+from ..core.settings import ConnectorSettings, worker_ids
 from . import compat
 from .metadata import KvbmConnectorMetadata
 from .scheduler import KvbmConnectorScheduler
-from .settings import ConnectorSettings
+from .worker import KvbmConnectorWorker, region_from_kv_caches
 
 log = logging.getLogger("kvbm.connector")
 
 
 class KvbmConnector(KVConnectorBase_V1):
-    def __init__(self, vllm_config, role, kv_cache_config=None) -> None:
+    """The role facade vLLM loads (one per role: scheduler in the EngineCore, worker per rank)."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         compat.check_version()
         ktc = vllm_config.kv_transfer_config
@@ -33,18 +38,26 @@ class KvbmConnector(KVConnectorBase_V1):
         self._settings = ConnectorSettings.from_extra(extra, namespace)
         self._block_size = vllm_config.cache_config.block_size
         self._scheduler: KvbmConnectorScheduler | None = None
-        self._worker = None
-        self._shm = None
+        self._worker: KvbmConnectorWorker | None = None
+        self._shm: Any = None
         if role == KVConnectorRole.SCHEDULER:
-            workers = [str(extra["worker_id"])] if "worker_id" in extra else \
-                [str(r) for r in range(compat.tensor_parallel_size(vllm_config))]
+            workers = worker_ids(extra, compat.tensor_parallel_size(vllm_config))
             self._scheduler = KvbmConnectorScheduler(self._block_size, self._settings, workers)
         else:
-            from .worker import KvbmConnectorWorker
             self._rank = compat.worker_rank(vllm_config)
             self._worker = KvbmConnectorWorker(str(extra.get("worker_id", self._rank)), self._settings)
 
     # ==== properties ====
+    @property
+    def _worker_role(self) -> KvbmConnectorWorker:
+        assert self._worker is not None, "a worker-side hook called on the scheduler's connector"
+        return self._worker
+
+    @property
+    def _scheduler_role(self) -> KvbmConnectorScheduler:
+        assert self._scheduler is not None, "a scheduler-side hook called on a worker's connector"
+        return self._scheduler
+
     @property
     def requires_kv_delivery(self) -> bool:  # a best-effort cache: never hold requests for it
         return False
@@ -64,14 +77,13 @@ class KvbmConnector(KVConnectorBase_V1):
         return self._shm
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        from .worker import region_from_kv_caches
         if compat.is_cuda(self._vllm_config):
             self._register_gpu(list(kv_caches.values()))
             return
         shm = self._shm
         spec = region_from_kv_caches(kv_caches, shm.path if shm and shm.tensor is not None else None,
                                      shm.tensor if shm else None)
-        self._worker.set_region(spec)
+        self._worker_role.set_region(spec)
 
     def register_cross_layers_kv_cache(self, kv_cache, attn_backend=None) -> None:
         """vLLM 0.26 with ``prefer_cross_layer_blocks``: one buffer for every layer."""
@@ -83,20 +95,20 @@ class KvbmConnector(KVConnectorBase_V1):
         except ValueError as exc:
             log.warning("kvbm: cannot export the engine's KV cache (%s); serving without kvbm", exc)
             spec = None
-        self._worker.set_region(spec, cuda=True)
+        self._worker_role.set_region(spec, cuda=True)
 
     def handle_preemptions(self, kv_connector_metadata=None, *args, **kwargs) -> None:
-        self._worker.fence_if_needed(kv_connector_metadata)
+        self._worker_role.fence_if_needed(kv_connector_metadata)
 
     def bind_connector_metadata(self, connector_metadata) -> None:
         if self._worker is not None:
-            self._worker.fence_if_needed(connector_metadata)
+            self._worker_role.fence_if_needed(connector_metadata)
         super().bind_connector_metadata(connector_metadata)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         meta = self._meta()
         if meta is not None:
-            self._worker.start_loads(meta)
+            self._worker_role.start_loads(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
@@ -107,12 +119,12 @@ class KvbmConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         meta = self._meta()
         if meta is not None:
-            self._worker.start_stores(meta)
+            self._worker_role.start_stores(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self._worker.finished(self._meta())
+        return self._worker_role.finished(self._meta())
 
-    def get_block_ids_with_load_errors(self) -> set[int]:
+    def get_block_ids_with_load_errors(self) -> set[EngineBlockId]:
         return self._worker.take_load_errors() if self._worker is not None else set()
 
     def _meta(self) -> KvbmConnectorMetadata | None:
@@ -123,16 +135,16 @@ class KvbmConnector(KVConnectorBase_V1):
 
     # ==== Scheduler-side methods ====
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        return self._scheduler_role.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        self._scheduler_role.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KvbmConnectorMetadata:
-        return self._scheduler.build_connector_meta(scheduler_output)
+        return self._scheduler_role.build_connector_meta(scheduler_output)
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
-        return self._scheduler.request_finished(request, block_ids)
+        return self._scheduler_role.request_finished(request, block_ids)
 
     # ==== Both ====
     def shutdown(self) -> None:

@@ -1,45 +1,23 @@
-"""What the scheduler role tells the worker role each step (pickled by vLLM between the
-EngineCore and the worker processes): plain dataclasses of bytes and ints."""
+"""What the scheduler role tells the worker role each step: the core's :class:`StepPlan` as
+vLLM's ``KVConnectorMetadata`` (pickled by vLLM between the EngineCore and the workers)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from ..core.specs import LoadSpec, StepPlan, StoreSpec
 
 try:  # vLLM is an optional dependency of kvbm_client
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 except ImportError:  # pragma: no cover - only without vLLM
     KVConnectorMetadata = object  # type: ignore[misc,assignment]
 
-
-@dataclass
-class LoadSpec:
-    """Onboard a request's external prefix: the leader's signed plan and the engine blocks."""
-
-    req_id: str
-    plan: bytes
-    signature: bytes
-    engine_blocks: list[int]
-    #: loaded before this step's forward (vLLM counted the tokens as computed); else the
-    #: request waits for ``finished_recving``.
-    sync: bool = False
+__all__ = ["KvbmConnectorMetadata", "LoadSpec", "StoreSpec"]
 
 
 @dataclass
-class StoreSpec:
-    """Offload newly computed blocks of one step (several requests in one plan)."""
+class KvbmConnectorMetadata(StepPlan, KVConnectorMetadata):  # type: ignore[misc,valid-type]
+    """One step's loads, stores, delayed frees and fence (see :class:`StepPlan`)."""
 
-    plan: bytes
-    signature: bytes
-    engine_blocks: list[int]
-    req_ids: list[str]
-
-
-@dataclass
-class KvbmConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc,valid-type]
-    loads: list[LoadSpec] = field(default_factory=list)
-    stores: list[StoreSpec] = field(default_factory=list)
-    #: finished requests whose blocks stay allocated until their stores are done
-    #: (the worker role reports them in ``finished_sending``).
-    delayed_frees: list[str] = field(default_factory=list)
-    #: a request with stores in flight was preempted (its blocks are free again): the worker
-    #: waits for every store in flight before this step's forward can rewrite them.
-    fence: bool = False
+    @classmethod
+    def of(cls, plan: StepPlan) -> "KvbmConnectorMetadata":
+        return cls(loads=plan.loads, stores=plan.stores, delayed_frees=plan.delayed_frees, fence=plan.fence)

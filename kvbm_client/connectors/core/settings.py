@@ -1,34 +1,52 @@
-"""Connector settings: ``kv_connector_extra_config`` first, then the ``DYN_KVBM_*``
-environment (the same defaults as ``kvbm serve``)."""
+"""Connector settings: the engine's connector config first (vLLM's ``kv_connector_extra_config``),
+then the ``DYN_KVBM_*`` environment (the same defaults as ``kvbm serve``)."""
 from __future__ import annotations
 
+import enum
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ...config import KvbmConfig, parse_bool
+from ...ids import WorkerId
+
+
+class LoadMode(str, enum.Enum):
+    """When a hit is loaded (compares equal to its string value)."""
+
+    #: in the step that computes the rest of the prompt (the engine waits for the copy; one
+    #: step less, the lowest TTFT)
+    SYNC = "sync"
+    #: while the request waits (vLLM's WAITING_FOR_REMOTE_KVS) and other requests keep
+    #: running (no stall of their decodes)
+    ASYNC = "async"
+
+
+LOAD_MODES = tuple(m.value for m in LoadMode)
 
 
 @dataclass(frozen=True)
 class ConnectorSettings:
     leader_address: str
     worker_address_template: str  # "{id}" is replaced by the worker id
+    #: what keeps models apart in kvbm's block identity (default: model, dtype, block size)
     namespace: str
     timeout_s: float
     retry_s: float
     ready_timeout_s: float = 120.0
-    #: "sync": a hit is loaded in the step that computes the rest of the prompt (the engine
-    #: waits for the copy; one step less, the lowest TTFT). "async": the request waits in
-    #: WAITING_FOR_REMOTE_KVS while other requests keep running (no stall of their decodes).
-    load_mode: str = "sync"
-    #: the scheduler role starts a hit's copy on the worker daemons as soon as vLLM allocated
-    #: its blocks (see :mod:`.early_loads`); false: the worker role starts it before the forward.
+    load_mode: LoadMode = LoadMode.SYNC
+    #: the scheduler side starts a hit's copy on the worker daemons as soon as the engine
+    #: allocated its blocks (see :mod:`.early_loads`); false: the worker side starts it.
     early_loads: bool = True
     #: the node's settings as this engine sees them (channels: TLS, tokens, message sizes)
     config: KvbmConfig = field(default_factory=KvbmConfig)
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "load_mode", _load_mode(self.load_mode))
+
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any], default_namespace: str) -> "ConnectorSettings":
+        """Settings from an engine's connector config dict (``extra``)."""
         overrides = {k: extra[k] for k in ("socket_dir", "leader_address") if extra.get(k)}
         cfg = KvbmConfig.from_env(**overrides)
         template = extra.get("worker_address") or cfg.worker_address("{id}")
@@ -41,20 +59,17 @@ class ConnectorSettings:
 
     @property
     def sync_loads(self) -> bool:
-        return self.load_mode == "sync"
+        return self.load_mode is LoadMode.SYNC
 
     def worker_address(self, worker_id: str) -> str:
         return self.worker_address_template.replace("{id}", worker_id)
 
 
-LOAD_MODES = ("sync", "async")
-
-
-def _load_mode(value: Any) -> str:
-    mode = str(value).lower()
-    if mode not in LOAD_MODES:
-        raise ValueError(f"kv_connector_extra_config.load_mode={value!r}: one of {', '.join(LOAD_MODES)}")
-    return mode
+def _load_mode(value: Any) -> LoadMode:
+    try:
+        return LoadMode(str(value.value if isinstance(value, LoadMode) else value).lower())
+    except ValueError:
+        raise ValueError(f"kv_connector_extra_config.load_mode={value!r}: one of {', '.join(LOAD_MODES)}") from None
 
 
 def _flag(name: str, value: Any) -> bool:
@@ -79,3 +94,11 @@ class Backoff:
 
     def reset(self) -> None:
         self._next = 0.0
+
+
+def worker_ids(ids: Mapping[str, Any] | None, default_count: int) -> list[WorkerId]:
+    """The worker daemons of an engine: ``ids["worker_id"]`` (one, pinned in the config) or
+    one per tensor-parallel rank ``0 .. default_count-1``."""
+    if ids and "worker_id" in ids:
+        return [WorkerId(str(ids["worker_id"]))]
+    return [WorkerId(str(r)) for r in range(default_count)]

@@ -1,27 +1,29 @@
-"""Early loads: the scheduler role starts a hit's copy as soon as vLLM allocated its blocks.
+"""Early loads: the scheduler side starts a hit's copy as soon as the engine allocated its blocks.
 
-Without it the copy starts in the worker role's ``start_load_kv``, after the scheduler
+Without it the copy starts in the worker side's ``start_load_kv``, after the scheduler
 finished the step and the model runner prepared its inputs (~15 ms on a 20K-token request,
-vLLM 0.26 on an H100). Here the scheduler role sends the same signed plan to the worker
-daemon(s) from ``update_state_after_alloc``; the daemon runs a job once per plan, so the
-worker role's own ``Transfer`` joins the copy already running and returns when it is done.
-The worker role's call stays the one whose answer counts: an early call that fails only
-costs the head start (it is logged at debug level and never waited for).
+vLLM 0.26 on an H100). Here the scheduler side sends the same signed plan to the worker
+daemon(s) when the engine allocated the blocks (vLLM's ``update_state_after_alloc``); the
+daemon runs a job once per plan, so the worker side's own ``Transfer`` joins the copy already
+running and returns when it is done. The worker side's call stays the one whose answer
+counts: an early call that fails only costs the head start (it is logged at debug level and
+never waited for).
 
-Runs on vLLM's scheduler thread: one non-blocking gRPC call per worker per load, plus one
-short blocking ``Status`` call to learn a worker's region when it is not known yet (at most
-once per ``retry_s`` while the daemon is away).
+Runs on the engine's scheduler thread: one non-blocking gRPC call per worker per load, plus
+one short blocking ``Status`` call to learn a worker's region when it is not known yet (at
+most once per ``retry_s`` while the daemon is away).
 """
 from __future__ import annotations
 
 import logging
 import time
+from typing import Any, Sequence
 
 import grpc
 
 from ...channels import open_channel
 from ...contract import pb, rpc
-from .metadata import LoadSpec
+from .specs import LoadSpec
 from .settings import Backoff, ConnectorSettings
 
 log = logging.getLogger("kvbm.connector")
@@ -30,17 +32,17 @@ FORGET_CODES = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE)
 
 
 class _WorkerLink:
-    """One worker daemon, as the scheduler role sees it: its engine region id and the early
+    """One worker daemon, as the scheduler side sees it: its engine region id and the early
     calls not yet finished."""
 
     def __init__(self, address: str, settings: ConnectorSettings) -> None:
         self.address = address
         self.timeout_s = settings.timeout_s
         self.channel = open_channel(address, settings.config)
-        self.stub = rpc.WorkerStub(self.channel)
+        self.stub: Any = rpc.WorkerStub(self.channel)  # the generated stubs are untyped
         self.region_id: str | None = None
         self.backoff = Backoff(settings.retry_s)
-        self.pending: list[grpc.Future] = []
+        self.pending: "list[grpc.Future[Any]]" = []
 
     def submit(self, spec: LoadSpec) -> bool:
         self._reap()
@@ -91,7 +93,7 @@ class _WorkerLink:
 class EarlyLoads:
     """Starts loads on every worker daemon of the engine (one per tensor-parallel rank)."""
 
-    def __init__(self, settings: ConnectorSettings, worker_ids: list[str]) -> None:
+    def __init__(self, settings: ConnectorSettings, worker_ids: Sequence[str]) -> None:
         self._links = [_WorkerLink(settings.worker_address(w), settings) for w in worker_ids]
 
     def submit(self, spec: LoadSpec) -> int:

@@ -1,0 +1,160 @@
+"""The worker side's link to its worker daemon: the engine's KV region, held registered.
+
+Runs in an engine worker process. Owns the channel to the daemon, the region id the daemon
+gave the engine's memory, the retry backoff and a watchdog thread; one lock guards all of
+them (the engine's thread submits transfers while the watchdog may re-dial or re-register).
+
+A daemon that restarted (kill -9, upgrade) has no region any more and the leader needs our
+layout again before it can plan pools, so no failed transfer would tell us: every
+``retry_s``, also while the engine is idle, the watchdog checks that the daemon still holds
+our region and registers it again when not.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Protocol
+
+import grpc
+
+from ...channels import open_channel
+from ...contract import pb, rpc
+from ...ids import EngineBlockId, WorkerId
+from .settings import Backoff, ConnectorSettings
+
+log = logging.getLogger("kvbm.connector")
+
+#: codes after which the daemon is dialled afresh / asked for our region again
+LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND)
+
+
+class RegionSpecLike(Protocol):
+    """A region description (``RegionSpec`` for shared memory, ``CudaRegionSpec`` for CUDA IPC)."""
+
+    def to_request(self) -> "pb.RegisterRegionRequest": ...
+
+
+class RegionLink:
+    """One engine region on one worker daemon, kept registered."""
+
+    def __init__(self, worker_id: WorkerId, settings: ConnectorSettings) -> None:
+        self.worker_id = worker_id
+        self.settings = settings
+        self.address = settings.worker_address(worker_id)
+        self._lock = threading.Lock()  # guards everything below
+        self._spec: RegionSpecLike | None = None
+        self._region_id: str | None = None
+        self._channel = open_channel(self.address, settings.config)
+        self._stub: Any = rpc.WorkerStub(self._channel)  # the generated stubs are untyped
+        self._backoff = Backoff(settings.retry_s)
+        self._stop = threading.Event()
+        self._watchdog = threading.Thread(target=self._watch, name="kvbm-region-watchdog", daemon=True)
+
+    @property
+    def region_id(self) -> str | None:
+        with self._lock:
+            return self._region_id
+
+    def register(self, spec: RegionSpecLike) -> None:
+        """Register the engine's memory and wait (bounded by ``ready_timeout_s``) until the
+        daemon allocated its pools, so the first requests' blocks are not skipped; then keep
+        it registered."""
+        with self._lock:
+            self._spec = spec
+            if self._ensure_region():
+                self._wait_pools()
+        if not self._watchdog.is_alive():
+            self._watchdog.start()
+
+    def submit(self, plan: bytes, signature: bytes, blocks: list[EngineBlockId]) -> "grpc.Future[Any] | None":
+        """Send one signed plan for ``blocks``; None when no region is registered now."""
+        with self._lock:
+            if not self._ensure_region():
+                return None
+            request = pb.TransferRequest(region_id=self._region_id, plan=pb.SignedPlan(plan=plan, signature=signature),
+                                         engine_blocks=blocks, sent_at=time.time())
+            future: grpc.Future[Any] = self._stub.Transfer.future(request, timeout=max(self.settings.timeout_s, 30.0))
+            return future
+
+    def failed(self, exc: BaseException) -> None:
+        """A transfer failed with ``exc``: when the daemon went away or forgot our region,
+        register again (after ``retry_s``) and re-dial a restarted daemon."""
+        if isinstance(exc, grpc.RpcError):
+            with self._lock:
+                self._lost(exc)
+
+    def close(self) -> None:
+        """Stop the watchdog, unregister the region, close the channel; idempotent."""
+        self._stop.set()
+        with self._lock:
+            if self._region_id is not None:
+                try:
+                    self._stub.UnregisterRegion(pb.UnregisterRegionRequest(region_id=self._region_id), timeout=2)
+                except grpc.RpcError:
+                    pass
+                self._region_id = None
+            self._channel.close()
+
+    # ------------------------------------------------------------------ under the lock
+    def _ensure_region(self) -> bool:
+        if self._region_id is not None:
+            return True
+        if self._spec is None or self._stop.is_set() or not self._backoff.ready():
+            return False
+        try:
+            resp = self._stub.RegisterRegion(self._spec.to_request(), timeout=self.settings.timeout_s)
+        except grpc.RpcError as exc:
+            log.warning("kvbm worker %s (%s): %s; retrying in %gs", self.worker_id, self.address,
+                        exc.details() or exc.code().name, self.settings.retry_s)
+            self._backoff.failed()
+            return False
+        self._region_id = resp.region_id
+        log.info("kvbm: engine KV cache registered with worker %s as %s", self.worker_id, self._region_id)
+        return True
+
+    def _wait_pools(self) -> None:
+        end = time.monotonic() + self.settings.ready_timeout_s
+        while time.monotonic() < end:
+            try:
+                status = self._stub.Status(pb.WorkerStatusRequest(), timeout=self.settings.timeout_s)
+            except grpc.RpcError:
+                return
+            if status.info.state == "ready":
+                return
+            time.sleep(0.1)
+        log.warning("kvbm worker %s: pools not ready after %gs; starting anyway", self.worker_id,
+                    self.settings.ready_timeout_s)
+
+    def _lost(self, exc: grpc.RpcError) -> None:
+        if exc.code() not in LOST_CODES:
+            return
+        if self._region_id is not None:
+            log.warning("kvbm worker %s lost (%s); will re-register", self.worker_id, exc.code().name)
+        self._region_id = None
+        self._backoff.failed()
+        if exc.code() == grpc.StatusCode.UNAVAILABLE and not self._stop.is_set():  # dial a restarted daemon afresh
+            self._channel.close()
+            self._channel = open_channel(self.address, self.settings.config)
+            self._stub = rpc.WorkerStub(self._channel)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.settings.retry_s):
+            with self._lock:
+                self._check_region()
+
+    def _check_region(self) -> None:
+        if self._stop.is_set():
+            return
+        if self._region_id is not None:
+            try:
+                status = self._stub.Status(pb.WorkerStatusRequest(), timeout=self.settings.timeout_s)
+            except grpc.RpcError as exc:
+                self._lost(exc)
+                return
+            if status.region_id == self._region_id:
+                return
+            log.warning("kvbm worker %s no longer holds our region (restarted?); re-registering", self.worker_id)
+            self._region_id = None
+            self._backoff.reset()
+        self._ensure_region()

@@ -1,0 +1,263 @@
+"""The engine-independent scheduler side of a kvbm connector: what to load, store and keep.
+
+Runs on the engine's scheduler thread (one per engine: vLLM's EngineCore, TensorRT-LLM's
+rank 0). Speaks in request ids, token ids, kvbm block keys and engine block ids; an engine
+adapter translates its hooks into these calls, in this order per request:
+
+1. :meth:`SchedulerCore.lookup` (vLLM ``get_num_new_matched_tokens``): the first time, one
+   ``PrepareLoad`` that matches, counts the hit and pins the stored prefix after the
+   engine's own (local) prefix; returns ``(tokens to load, asynchronous)``. Asked again
+   while the request waits, it answers the same without a round trip.
+2. :meth:`SchedulerCore.allocated` (``update_state_after_alloc``): the engine gave the
+   request its blocks; the load is planned into them (and started early on the worker
+   daemons), or released when the engine took no external tokens.
+3. :meth:`SchedulerCore.assign_blocks` then :meth:`SchedulerCore.step`
+   (``build_connector_meta``): every block that this step completes (by the tokens computed
+   once its forward ran) is offloaded, one ``PrepareStore`` for all requests of the step;
+   returns the :class:`StepPlan` to send to the workers (loads, stores, delayed frees, fence).
+4. :meth:`SchedulerCore.finished` (``request_finished``): True when the request's blocks
+   must stay allocated until its stores are done (the worker side reports it).
+
+Failures never fail the engine: a leader that is down turns lookups into misses and
+stores into skips (see :mod:`.leader_link`).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Mapping, Protocol, Sequence
+
+from ...handles import TransferHandle
+from ...hashing import BlockIdentity, RequestExtras
+from ...ids import BlockHash, EngineBlockId
+from .early_loads import EarlyLoads
+from .leader_link import LeaderPort
+from .settings import ConnectorSettings
+from .specs import LoadSpec, RequestId, StepPlan, StoreSpec
+from .tracing import trace, tracing
+
+log = logging.getLogger("kvbm.connector")
+
+
+class EngineRequest(Protocol):
+    """What the core reads from an engine's request (vLLM's ``Request`` has both; other
+    adapters wrap theirs). ``all_token_ids`` is live: it grows as the request decodes (only
+    ``len`` and slicing are used)."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def all_token_ids(self) -> Sequence[int]: ...
+
+
+#: An adapter's reading of a request's extra keys; None: the request's token ids do not
+#: identify its KV (e.g. prompt embeddings), so kvbm neither loads nor stores it.
+ExtrasOf = Callable[[EngineRequest], "RequestExtras | None"]
+
+
+@dataclass
+class RequestState:
+    """What the scheduler core remembers of one request (from its first lookup to its end)."""
+
+    request: EngineRequest
+    identity: BlockIdentity | None
+    block_ids: list[EngineBlockId] = field(default_factory=list)
+    num_stored: int = 0  # leading blocks already offloaded (or known to be in kvbm)
+    load: TransferHandle | None = None
+    load_first_block: int = 0
+    load_sent: bool = False
+    has_stores: bool = False
+    miss_at: tuple[int, int] | None = None  # (computed, tokens) of the last lookup that missed
+
+    def keys(self) -> list[BlockHash]:
+        """kvbm keys of the request's full blocks so far (hashed once per block)."""
+        if self.identity is None:
+            return []
+        try:
+            return self.identity.update(self.request.all_token_ids)
+        except OverflowError:  # a token id beyond 32 bits: not an identity we can vouch for
+            log.warning("kvbm: request %s has token ids beyond 32 bits; not cached", self.request.request_id)
+            self.identity = None
+            return []
+
+
+class SchedulerCore:
+    """Owns the per-request states and the step's pending loads and delayed frees.
+
+    Invariants: a request's load is planned at most once (``load_sent``); a pinned load that
+    the engine does not take is released; blocks are offloaded in order, each once
+    (``num_stored``); a request with stores is reported in ``delayed_frees`` when it ends.
+    """
+
+    def __init__(self, block_size: int, settings: ConnectorSettings, leader: LeaderPort, extras_of: ExtrasOf,
+                 early: EarlyLoads | None = None) -> None:
+        self.block_size = block_size
+        self.settings = settings
+        self._leader = leader
+        self._extras_of = extras_of
+        self._early = early
+        self._reqs: dict[RequestId, RequestState] = {}
+        self._loads: list[LoadSpec] = []
+        self._delayed: list[RequestId] = []
+
+    # ------------------------------------------------------------------ requests
+    def request(self, req_id: str) -> EngineRequest | None:
+        """The engine's request object the core tracks under ``req_id`` (from its first lookup
+        to its end), or None."""
+        state = self._reqs.get(RequestId(req_id))
+        return state.request if state is not None else None
+
+    def _track(self, request: EngineRequest) -> RequestState:
+        req_id = RequestId(request.request_id)
+        state = self._reqs.get(req_id)
+        if state is None:
+            extras = self._extras_of(request)
+            identity = None if extras is None else BlockIdentity(self.settings.namespace, self.block_size, extras)
+            state = self._reqs[req_id] = RequestState(request, identity)
+        return state
+
+    # ------------------------------------------------------------------ 1. lookup
+    def lookup(self, request: EngineRequest, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens kvbm loads after the engine's ``num_computed_tokens`` local ones, and
+        whether the load is asynchronous (the request then waits for it)."""
+        state = self._track(request)
+        asynchronous = not self.settings.sync_loads
+        if state.load is not None and not state.load_sent:
+            return state.load.num_blocks * self.block_size, asynchronous  # asked again: same answer
+        num_tokens = len(request.all_token_ids)
+        if state.miss_at == (num_computed_tokens, num_tokens):
+            return 0, False  # asked again while the request waits for space: same miss
+        t0 = time.perf_counter()
+        keys = state.keys()
+        t1 = time.perf_counter()
+        first = num_computed_tokens // self.block_size
+        # NOTE: at least the last prompt token is computed by the engine: it needs its logits
+        # (and vLLM's CPU kernels crash, SIGILL, on a prompt that arrives whole).
+        last = min(len(keys), (num_tokens - 1) // self.block_size)
+        if first >= last or state.load_sent:
+            return 0, False
+        handle = self._leader.prepare_load(keys[first:last], count_hit=True, tokens_per_block=self.block_size)
+        if tracing():
+            trace("prepare_load", req=request.request_id, asked=last - first,
+                  planned=handle.num_blocks if handle is not None else 0,
+                  ms=round((time.perf_counter() - t1) * 1e3, 2), hash_ms=round((t1 - t0) * 1e3, 3))
+        if handle is None or handle.is_empty:
+            if handle is not None:
+                state.miss_at = (num_computed_tokens, num_tokens)
+            return 0, False
+        state.load, state.load_first_block = handle, first
+        log.debug("kvbm hit %s: %d blocks after %d local (%s load)", request.request_id, handle.num_blocks, first,
+                  self.settings.load_mode.value)
+        return handle.num_blocks * self.block_size, asynchronous
+
+    # ------------------------------------------------------------------ 2. allocation
+    def pending_load(self, req_id: str) -> bool:
+        """A hit is pinned for the request and not planned into its blocks yet."""
+        state = self._reqs.get(RequestId(req_id))
+        return state is not None and state.load is not None and not state.load_sent
+
+    def allocated(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int | None = None) -> None:
+        """The engine allocated the request's blocks (``block_ids``: all of them, in token
+        order, the engine's own prefix included) and takes ``num_external_tokens`` from kvbm
+        (None: what :meth:`lookup` answered): plan the load into them."""
+        state = self._reqs.get(RequestId(req_id))
+        if state is None or state.load is None or state.load_sent:
+            return
+        if num_external_tokens is None:
+            num_external_tokens = state.load.num_blocks * self.block_size
+        if num_external_tokens == 0:
+            self._release(state)
+            return
+        n = num_external_tokens // self.block_size
+        first = state.load_first_block
+        signed = state.load.signed
+        assert signed is not None, "a non-empty load handle carries its signed plan"
+        spec = LoadSpec(RequestId(req_id), signed.plan, signed.signature,
+                        [EngineBlockId(b) for b in block_ids[first:first + n]], sync=self.settings.sync_loads)
+        self._loads.append(spec)
+        state.load_sent = True
+        if self._early is not None:
+            sent = self._early.submit(spec)
+            if tracing():
+                trace("early_load", req=req_id, blocks=n, workers=sent)
+        state.num_stored = max(state.num_stored, first + n)
+
+    def _release(self, state: RequestState) -> None:
+        if state.load is not None and not state.load_sent:
+            self._leader.release(state.load)
+        state.load = None
+
+    # ------------------------------------------------------------------ 3. step
+    def assign_blocks(self, req_id: str, block_ids: Iterable[int], replace: bool) -> None:
+        """The engine's block table of a request grew (``replace``: was rebuilt, e.g. when a
+        preempted request resumed)."""
+        state = self._reqs.get(RequestId(req_id))
+        if state is None:
+            return
+        ids = [EngineBlockId(b) for b in block_ids]
+        if replace:
+            state.block_ids = ids
+        else:
+            state.block_ids.extend(ids)
+
+    def step(self, computed: Mapping[str, int], preempted: Iterable[str] = ()) -> StepPlan:
+        """Close a step: ``computed`` maps each request of the step to its tokens whose KV is
+        written once the step's forward ran; ``preempted`` lists the requests whose blocks the
+        engine took back."""
+        plan = StepPlan(loads=self._loads, delayed_frees=self._delayed)
+        self._loads, self._delayed = [], []
+        plan.fence = any(s.has_stores for s in map(self._reqs.get, map(RequestId, preempted)) if s is not None)
+        keys: list[BlockHash] = []
+        blocks: list[EngineBlockId] = []
+        owners: list[RequestId] = []
+        for req_id, num_computed in computed.items():
+            state = self._reqs.get(RequestId(req_id))
+            if state is None:
+                continue
+            state_keys = state.keys()
+            full = min(len(state_keys), num_computed // self.block_size, len(state.block_ids))
+            for i in range(state.num_stored, full):
+                keys.append(state_keys[i])
+                blocks.append(state.block_ids[i])
+                owners.append(RequestId(req_id))
+            state.num_stored = max(state.num_stored, full)
+        if tracing() and (plan.loads or keys):
+            trace("step", loads=[(x.req_id, len(x.engine_blocks), x.sync) for x in plan.loads], store_keys=len(keys))
+        if keys:
+            plan.stores.extend(self._store(keys, blocks, owners))
+        return plan
+
+    def _store(self, keys: list[BlockHash], blocks: list[EngineBlockId], owners: list[RequestId]) -> list[StoreSpec]:
+        t0 = time.perf_counter()
+        handle = self._leader.prepare_store(keys)
+        if tracing():
+            trace("prepare_store", keys=len(keys), ms=round((time.perf_counter() - t0) * 1e3, 2))
+        if handle is None or handle.is_empty:
+            return []
+        assert handle.signed is not None, "a non-empty store handle carries its signed plan"
+        picked = [owners[i] for i in handle.indices]
+        for req_id in set(picked):
+            self._reqs[req_id].has_stores = True
+        return [StoreSpec(handle.signed.plan, handle.signed.signature, [blocks[i] for i in handle.indices], picked)]
+
+    # ------------------------------------------------------------------ 4. end
+    def finished(self, req_id: str) -> bool:
+        """The request ended: True when its blocks must stay allocated until the worker side
+        reports its stores done (it is in the next step's ``delayed_frees``)."""
+        if tracing():
+            trace("finished", req=req_id)
+        state = self._reqs.pop(RequestId(req_id), None)
+        if state is None:
+            return False
+        self._release(state)
+        if state.has_stores:
+            self._delayed.append(RequestId(req_id))
+            return True
+        return False
+
+    def shutdown(self) -> None:
+        self._leader.close()
+        if self._early is not None:
+            self._early.close()

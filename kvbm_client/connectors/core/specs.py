@@ -1,0 +1,52 @@
+"""What a connector's scheduler side tells its worker side each engine step.
+
+Plain dataclasses of bytes and ints: engines pickle them between processes (vLLM's
+EngineCore → workers; TensorRT-LLM's rank 0 → every rank).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NewType
+
+from ...ids import EngineBlockId
+
+#: An engine's id of a request (adapters turn non-string ids into strings).
+RequestId = NewType("RequestId", str)
+
+
+@dataclass
+class LoadSpec:
+    """Onboard a request's external prefix: the leader's signed plan and the engine blocks."""
+
+    req_id: RequestId
+    plan: bytes
+    signature: bytes
+    engine_blocks: list[EngineBlockId]
+    #: loaded before this step's forward (the engine counted the tokens as computed); else the
+    #: request waits until the worker side reports the load finished.
+    sync: bool = False
+
+
+@dataclass
+class StoreSpec:
+    """Offload newly computed blocks of one step (several requests in one plan)."""
+
+    plan: bytes
+    signature: bytes
+    engine_blocks: list[EngineBlockId]
+    #: owner of each entry of ``engine_blocks``
+    req_ids: list[RequestId]
+
+
+@dataclass
+class StepPlan:
+    """Everything kvbm does in one engine step (the body of the engine's connector metadata)."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    stores: list[StoreSpec] = field(default_factory=list)
+    #: finished requests whose blocks stay allocated until their stores are done (the worker
+    #: side reports them as finished sending).
+    delayed_frees: list[RequestId] = field(default_factory=list)
+    #: a request with stores in flight was preempted (its blocks are free again): the worker
+    #: side waits for every store in flight before this step's forward can rewrite them.
+    fence: bool = False

@@ -1,0 +1,184 @@
+"""Bookkeeping of a connector worker side's transfers in flight (pure: no I/O of its own).
+
+Runs in an engine worker process, on the engine's thread. Owns every load and store that
+was sent to the worker daemon and not settled yet, the engine blocks whose load failed, and
+the finished requests whose blocks wait for their stores. "Settling" a transfer waits for
+its future (a gRPC future, or a thread's future for stores sent after a CUDA event); the
+tracker decides when to wait and what an outcome means, the caller's callbacks do the rest
+(drop a lost daemon's region, trace).
+
+Invariants:
+* a request is reported finished loading exactly once, after its load settled; a load that
+  failed (or was never sent) has its engine blocks in :meth:`TransferTracker.take_load_errors`
+  by then, so the engine recomputes them;
+* a finished request is reported finished sending only when none of its stores is in flight
+  (the engine frees its blocks then, and no store reads a reused block);
+* after :meth:`TransferTracker.fence` no store is in flight.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Protocol
+
+from ...ids import EngineBlockId
+from .specs import RequestId
+
+log = logging.getLogger("kvbm.connector")
+
+
+class TransferFuture(Protocol):
+    """A transfer's answer to come (``grpc.Future`` or ``concurrent.futures.Future``)."""
+
+    def done(self) -> bool: ...
+
+    def result(self, timeout: float | None = None) -> Any: ...
+
+
+@dataclass
+class InFlight:
+    """One transfer sent to the worker daemon (``future`` None: it could not be sent)."""
+
+    future: TransferFuture | None
+    req_ids: list[RequestId]
+    engine_blocks: list[EngineBlockId]
+    submitted: float  # time.monotonic() when sent
+
+    @property
+    def done(self) -> bool:
+        return self.future is None or self.future.done()
+
+
+#: ``on_load_done(req_id, item, answer, mode)``: a load settled (``answer`` None when it failed).
+LoadDone = Callable[[RequestId, InFlight, Any, str], None]
+
+
+def _ignore_failure(exc: BaseException) -> None:
+    return None
+
+
+def _ignore_load(req_id: RequestId, item: InFlight, answer: Any, mode: str) -> None:
+    return None
+
+
+class TransferTracker:
+    """Loads and stores of one worker side, from sent to settled.
+
+    Args:
+        on_failure: called with the exception of each failed transfer (the region link
+            decides whether the daemon was lost).
+        on_load_done: called once per settled load (tracing).
+    """
+
+    def __init__(self, on_failure: Callable[[BaseException], None] = _ignore_failure,
+                 on_load_done: LoadDone = _ignore_load) -> None:
+        self._on_failure = on_failure
+        self._on_load_done = on_load_done
+        self._loads: dict[RequestId, InFlight] = {}  # asynchronous loads, reported by finished()
+        self._sync_loads: list[InFlight] = []  # waited for before this step's forward
+        self._stores: list[InFlight] = []
+        self._store_refs: dict[RequestId, int] = {}  # stores in flight per request
+        self._awaiting_send: set[RequestId] = set()  # finished requests whose frees wait
+        self._load_errors: set[EngineBlockId] = set()
+
+    # ------------------------------------------------------------------ loads
+    def load_sent(self, req_id: RequestId, future: TransferFuture | None, blocks: list[EngineBlockId],
+                  sync: bool) -> None:
+        """A load into ``blocks`` went out (``future`` None: it could not be sent, so its
+        blocks are load errors at once)."""
+        if future is None:
+            self._load_errors.update(blocks)
+            item = InFlight(None, [req_id], [], 0.0)
+        else:
+            item = InFlight(future, [req_id], list(blocks), time.monotonic())
+        if sync:
+            self._sync_loads.append(item)
+        else:
+            self._loads[req_id] = item
+
+    def settle_sync_loads(self) -> None:
+        """Wait for this step's synchronous loads (sent first, so they ran in parallel)."""
+        items, self._sync_loads = self._sync_loads, []
+        for item in items:
+            self._settle_load(item, "sync")
+
+    def _settle_load(self, item: InFlight, mode: str) -> None:
+        if item.future is None:
+            return
+        req_id = item.req_ids[0]
+        answer = None
+        try:
+            answer = item.future.result()
+        except Exception as exc:  # an RpcError, or cancelled with a replaced channel
+            log.warning("kvbm load for %s failed (%s); the engine recomputes it", req_id, _why(exc))
+            self._load_errors.update(item.engine_blocks)
+            self._on_failure(exc)
+        self._on_load_done(req_id, item, answer, mode)
+
+    def take_load_errors(self) -> set[EngineBlockId]:
+        """Engine blocks whose load failed since the last call (the engine recomputes them)."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # ------------------------------------------------------------------ stores
+    def store_sent(self, future: TransferFuture, blocks: list[EngineBlockId], req_ids: list[RequestId]) -> None:
+        """A store of ``blocks`` (owned by ``req_ids``) went out."""
+        self._stores.append(InFlight(future, list(req_ids), list(blocks), time.monotonic()))
+        for req_id in req_ids:
+            self._store_refs[req_id] = self._store_refs.get(req_id, 0) + 1
+
+    def fence(self) -> None:
+        """Wait for every store in flight: their blocks may be handed to other requests now."""
+        stores, self._stores = self._stores, []
+        for item in stores:
+            self._settle_store(item)
+
+    def _settle_store(self, item: InFlight) -> None:
+        assert item.future is not None, "a store in flight was sent"
+        try:
+            item.future.result()
+        except Exception as exc:  # a failed store costs a future hit, no more
+            log.warning("kvbm store of %d blocks failed: %s", len(item.engine_blocks), _why(exc))
+            self._on_failure(exc)
+        for req_id in item.req_ids:
+            left = self._store_refs.get(req_id, 0) - 1
+            if left > 0:
+                self._store_refs[req_id] = left
+            else:
+                self._store_refs.pop(req_id, None)
+
+    @property
+    def stores_in_flight(self) -> int:
+        return len(self._stores)
+
+    # ------------------------------------------------------------------ step end
+    def finished(self, delayed_frees: Iterable[RequestId] = ()) -> tuple[set[RequestId], set[RequestId]]:
+        """``(finished sending, finished loading)`` now; never waits.
+
+        ``delayed_frees``: requests that ended with stores (the scheduler side kept their
+        blocks); each is reported once none of its stores is in flight.
+        """
+        loaded: set[RequestId] = set()
+        for req_id, item in list(self._loads.items()):
+            if item.done:
+                self._settle_load(item, "async")
+                loaded.add(req_id)
+                del self._loads[req_id]
+        self._awaiting_send.update(delayed_frees)
+        still = []
+        for item in self._stores:
+            if item.done:
+                self._settle_store(item)
+            else:
+                still.append(item)
+        self._stores = still
+        sent = {r for r in self._awaiting_send if r not in self._store_refs}
+        self._awaiting_send -= sent
+        return sent, loaded
+
+
+def _why(exc: BaseException) -> str:
+    details = getattr(exc, "details", None)
+    text = details() if callable(details) else None
+    return text or repr(exc)

@@ -1,0 +1,222 @@
+"""The connectors' engine-independent scheduler core (``connectors/core/scheduler.py``): its
+decisions against a fake leader that remembers what was stored. No engine, no daemon."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import pytest
+
+from kvbm_client.handles import TransferHandle
+from kvbm_client.connectors.core import ConnectorSettings, RequestExtras, SchedulerCore
+from kvbm_client.contract import pb
+from kvbm_client.ids import JobId, PlanKind
+
+BS = 4
+
+
+class FakeLeader:
+    """Keeps the set of stored keys; plans loads of the longest stored prefix and stores of the
+    keys not stored yet (it commits them at once). ``down``: unreachable (answers None)."""
+
+    def __init__(self) -> None:
+        self.stored: set[bytes] = set()
+        self.calls: list[tuple[str, list]] = []
+        self.released: list[TransferHandle] = []
+        self.down = False
+        self._jobs = itertools.count(1)
+
+    def _handle(self, kind: PlanKind, indices: list[int]) -> TransferHandle:
+        if not indices:
+            return TransferHandle(kind, None, 0)
+        job = next(self._jobs)
+        signed = pb.SignedPlan(plan=f"plan-{job}".encode(), signature=b"sig")
+        return TransferHandle(kind, JobId(job), len(indices), tuple(indices), signed=signed)
+
+    def prepare_load(self, hashes, count_hit=False, tokens_per_block=0):
+        self.calls.append(("prepare_load", list(hashes)))
+        if self.down:
+            return None
+        n = next((i for i, h in enumerate(hashes) if h not in self.stored), len(hashes))
+        return self._handle(PlanKind.LOAD, list(range(n)))
+
+    def prepare_store(self, hashes):
+        self.calls.append(("prepare_store", list(hashes)))
+        if self.down:
+            return None
+        new = [i for i, h in enumerate(hashes) if h not in self.stored]
+        self.stored.update(hashes[i] for i in new)
+        return self._handle(PlanKind.STORE, new)
+
+    def release(self, handle):
+        self.released.append(handle)
+
+    def close(self):
+        pass
+
+    def names(self) -> list[str]:
+        return [c[0] for c in self.calls]
+
+
+@dataclass
+class Request:
+    """A stand-in for an engine's request (the core's ``EngineRequest``)."""
+
+    request_id: str
+    all_token_ids: list[int]
+    extras: RequestExtras | None = field(default_factory=RequestExtras)
+
+
+class FakeEarly:
+    def __init__(self) -> None:
+        self.sent = []
+
+    def submit(self, spec):
+        self.sent.append(spec)
+        return 1
+
+    def close(self):
+        pass
+
+
+def make(leader: FakeLeader, mode: str = "sync", early=None) -> SchedulerCore:
+    settings = ConnectorSettings("unix:/l", "unix:/w-{id}", "model|float16|4", 1.0, 1.0, load_mode=mode)
+    return SchedulerCore(BS, settings, leader, lambda r: r.extras, early)
+
+
+def run_prefill(core: SchedulerCore, req: Request, block_ids: list[int], local: int = 0):
+    """Lookup, allocation and one step computing the whole prompt, as an engine would."""
+    tokens, _ = core.lookup(req, local)
+    core.allocated(req.request_id, block_ids, tokens)
+    core.assign_blocks(req.request_id, block_ids, replace=True)
+    plan = core.step({req.request_id: len(req.all_token_ids)})
+    return tokens, plan
+
+
+def test_every_completed_block_is_stored_once_in_one_call_per_step():
+    leader = FakeLeader()
+    core = make(leader)
+    a, b = Request("a", list(range(10))), Request("b", list(range(100, 113)))
+    for r in (a, b):
+        assert core.lookup(r, 0) == (0, False)
+    core.assign_blocks("a", [7, 8, 9], replace=True)
+    core.assign_blocks("b", [1, 2, 3, 4], replace=True)
+    plan = core.step({"a": 10, "b": 13})
+    (store,) = plan.stores
+    assert leader.names() == ["prepare_load", "prepare_load", "prepare_store"]
+    assert store.engine_blocks == [7, 8, 1, 2, 3] and store.req_ids == ["a", "a", "b", "b", "b"]
+    a.all_token_ids += [1, 2]  # a grows by two tokens: its third block completes in the next step
+    plan = core.step({"a": 12, "b": 13})
+    assert plan.stores[0].engine_blocks == [9] and plan.stores[0].req_ids == ["a"]
+    assert len(leader.calls[-1][1]) == 1, "blocks already stored are not offered again"
+
+
+def test_a_hit_is_loaded_into_the_blocks_after_the_local_prefix_and_not_stored_again():
+    leader, early = FakeLeader(), FakeEarly()
+    first = make(leader)
+    run_prefill(first, Request("x", list(range(21))), [0, 1, 2, 3, 4, 5])
+    core = make(leader, early=early)  # another engine process: same identity
+    req = Request("y", list(range(21)))
+    assert core.lookup(req, 1 * BS) == (4 * BS, False), "1 local block, 4 from kvbm, the last token computed"
+    assert core.pending_load("y")
+    core.allocated("y", [10, 11, 12, 13, 14, 15], 4 * BS)
+    (load,) = early.sent
+    assert load.engine_blocks == [11, 12, 13, 14] and load.sync and load.req_id == "y"
+    core.assign_blocks("y", [10, 11, 12, 13, 14, 15], replace=True)
+    plan = core.step({"y": 21})
+    assert plan.loads == [load]
+    assert plan.stores == [], "the loaded blocks are in kvbm already"
+    assert core.lookup(req, 5 * BS) == (0, False), "a request loads once"
+
+
+def test_an_asynchronous_hit_is_answered_the_same_while_the_request_waits():
+    leader = FakeLeader()
+    run_prefill(make(leader), Request("x", list(range(17))), [0, 1, 2, 3, 4])
+    core = make(leader, mode="async")
+    req = Request("y", list(range(17)))
+    assert core.lookup(req, 0) == (4 * BS, True)
+    assert core.lookup(req, 0) == (4 * BS, True)
+    assert leader.names().count("prepare_load") == 2, "asked again: no second round trip"
+
+
+def test_the_engine_may_take_what_the_lookup_answered_without_saying_how_much():
+    leader, early = FakeLeader(), FakeEarly()
+    run_prefill(make(leader), Request("x", list(range(17))), [0, 1, 2, 3, 4])
+    core = make(leader, early=early)
+    assert core.lookup(Request("y", list(range(17))), 0) == (4 * BS, False)
+    core.allocated("y", [9, 8, 7, 6, 5])  # TensorRT-LLM's update_state_after_alloc has no count
+    assert early.sent[0].engine_blocks == [9, 8, 7, 6]
+
+
+def test_a_pinned_hit_the_engine_does_not_take_is_released():
+    leader = FakeLeader()
+    run_prefill(make(leader), Request("x", list(range(17))), [0, 1, 2, 3, 4])
+    core = make(leader)
+    req = Request("y", list(range(17)))
+    tokens, _ = core.lookup(req, 0)
+    assert tokens == 4 * BS
+    core.allocated("y", [], 0)  # e.g. the engine found the prefix in its own cache meanwhile
+    assert [h.num_blocks for h in leader.released] == [4]
+    assert not core.pending_load("y")
+    assert core.step({"y": 0}).loads == []
+
+
+def test_a_request_that_ends_with_stores_keeps_its_blocks_until_they_are_done():
+    leader = FakeLeader()
+    core = make(leader)
+    stored, plain = Request("s", list(range(8))), Request("p", list(range(3)))
+    run_prefill(core, stored, [0, 1])
+    run_prefill(core, plain, [2])
+    assert core.finished("s") is True
+    assert core.finished("p") is False, "nothing stored: free at once"
+    assert core.finished("unknown") is False
+    plan = core.step({})
+    assert plan.delayed_frees == ["s"]
+    assert core.step({}).delayed_frees == [], "reported once"
+
+
+@pytest.mark.parametrize("stores,fence", [(True, True), (False, False)])
+def test_a_preempted_request_with_stores_fences_the_step(stores, fence):
+    core = make(FakeLeader())
+    req = Request("r", list(range(8 if stores else 3)))
+    run_prefill(core, req, [0, 1])
+    assert core.step({}, preempted=["r", "other"]).fence is fence
+
+
+def test_a_resumed_request_stores_into_its_new_blocks():
+    core = make(FakeLeader())
+    req = Request("r", list(range(6)))
+    run_prefill(core, req, [0, 1])  # block 0 stored from engine block 0
+    core.assign_blocks("r", [5, 6, 7], replace=True)  # preempted and resumed elsewhere
+    req.all_token_ids += [9, 9, 9]
+    plan = core.step({"r": 9})
+    assert plan.stores[0].engine_blocks == [6]
+
+
+def test_a_leader_that_is_down_costs_hits_and_stores_never_a_failure():
+    leader = FakeLeader()
+    leader.down = True
+    core = make(leader)
+    req = Request("r", list(range(9)))
+    tokens, plan = run_prefill(core, req, [0, 1, 2])
+    assert tokens == 0 and plan.stores == []
+    assert core.finished("r") is False
+
+
+def test_tenants_never_share_keys_and_a_restart_shares_them():
+    leader = FakeLeader()
+    run_prefill(make(leader), Request("a", list(range(13)), extras=RequestExtras(cache_salt="tenant-a")),
+                [0, 1, 2, 3])
+    other = make(leader)
+    b = Request("b", list(range(13)), extras=RequestExtras(cache_salt="tenant-b"))
+    assert other.lookup(b, 0) == (0, False), "tenant B was offered tenant A's blocks"
+    again = Request("c", list(range(13)), extras=RequestExtras(cache_salt="tenant-a"))
+    assert other.lookup(again, 0) == (3 * BS, False), "tenant A missed its own blocks after a restart"
+
+
+def test_requests_without_an_identity_are_left_alone():
+    leader = FakeLeader()
+    core = make(leader)
+    req = Request("e", list(range(12)), extras=None)  # e.g. prompt embeddings
+    tokens, plan = run_prefill(core, req, [0, 1, 2])
+    assert tokens == 0 and plan.stores == [] and leader.calls == []
