@@ -4,11 +4,11 @@ Two schemes live here.
 
 :class:`BlockIdentity` is kvbm's own identity of a request's blocks, the one the engine
 connectors use. It is the same in every process (no per-process seed), so a restarted engine
-and a sibling engine on the node hit the blocks another one stored. One streaming xxh3-128
+and a sibling engine on the node hit the blocks another one stored. One streaming BLAKE2b-128
 state per request, fed once per block as the request grows::
 
     header  = VERSION | namespace | block_size | cache_salt | lora_name | lora_path | has_mm
-    key(i)  = xxh3_128(header | block(0) | ... | block(i))      (16 bytes)
+    key(i)  = blake2b_128(header | block(0) | ... | block(i))   (16 bytes)
     block(j) = token ids of block j (uint32 little-endian)
                [| multimodal inputs overlapping block j, when has_mm]
 
@@ -20,6 +20,11 @@ encode to the same bytes. This folds exactly what vLLM's own block hashes fold (
 ``generate_block_hash_extra_keys``: LoRA, multimodal hashes with their offset in the block,
 cache salt), so kvbm separates tenants and adapters as strongly as the engine does.
 
+NOTE: BLAKE2b, not xxh3: keys must be collision-resistant against a tenant who chooses its
+own prompts (vLLM's default block hash is sha256 for the same reason; xxh3 is fast but not
+built to resist crafted collisions). It costs about twice as much as xxh3-128 here (about a
+millisecond for a 20K-token prompt, ``benchmarks/block_identity.py``).
+
 :func:`sequence_hashes` is Dynamo KVBM's xxh3-64 chain over token blocks, kept for clients
 of :class:`~kvbm_client.client.KvbmClient` (``block_hash(i) = xxh3_64(tokens of block i,
 seed=salt)``; block i's sequence hash is ``xxh3_64(seq(i-1) || block_hash(i), seed=salt)``).
@@ -27,6 +32,7 @@ Engines that already hash their blocks pass those bytes through :func:`engine_ha
 """
 from __future__ import annotations
 
+import hashlib
 import struct
 import sys
 from array import array
@@ -83,7 +89,7 @@ def _optional(text: str | None) -> bytes:
 class BlockIdentity:
     """kvbm's keys of one request's full blocks, computed once per block as the request grows.
 
-    Runs wherever blocks are keyed (a connector's scheduler role). Owns one xxh3-128 streaming
+    Runs wherever blocks are keyed (a connector's scheduler role). Owns one BLAKE2b-128 streaming
     state; invariant: the state has absorbed the header and exactly ``len(keys)`` blocks.
     """
 
@@ -100,7 +106,7 @@ class BlockIdentity:
         header = (IDENTITY_VERSION + _field(namespace) + struct.pack("<I", block_size)
                   + _optional(extras.cache_salt) + _optional(extras.lora_name) + _optional(extras.lora_path)
                   + (b"\x01" if extras.multimodal else b"\x00"))
-        self._state = xxhash.xxh3_128(header)
+        self._state = hashlib.blake2b(header, digest_size=IDENTITY_BYTES)
 
     def update(self, tokens: Sequence[int]) -> list[BlockHash]:
         """Hash the full blocks of ``tokens`` (the request's token ids from its start) not
