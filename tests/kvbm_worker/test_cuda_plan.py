@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from kvbm_client.cuda_export import page_placements
-from kvbm_worker.handlers.pinned import segments
+from kvbm_worker.runs import segments
 
 
 def test_segments_merge_only_runs_adjacent_on_both_sides():
