@@ -90,10 +90,6 @@ class WorkerDaemon:
         assert self.cluster is not None
         return await self.cluster.leader_address(self.config.leader_worker_init_timeout_secs)
 
-    @property
-    def leader_shutdown(self) -> asyncio.Event | None:
-        return self.link.leader_shutdown if self.link is not None else None
-
     async def close(self) -> None:
         if self._closed:
             return

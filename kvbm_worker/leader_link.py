@@ -56,7 +56,6 @@ class LeaderLink:
         self.leader_id = ""
         self.plan_key: bytes | None = None
         self.grace = config.job_timeout_secs
-        self.leader_shutdown = asyncio.Event()
         self._attached = asyncio.Event()
         self._channel: grpc.aio.Channel | None = None
         self._leader: rpc.LeaderStub | None = None
@@ -107,7 +106,6 @@ class LeaderLink:
                     await self._on_event(event)
                     if event.HasField("shutdown"):
                         log.info("leader shut down: %s", event.shutdown.reason)
-                        self.leader_shutdown.set()
                         break
             except grpc.RpcError as exc:
                 if exc.code() in (grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.NOT_FOUND):

@@ -244,6 +244,7 @@ class BlockMover:
 
     def _store_disk(self, region: EngineRegion, blocks: Ids, slots: Ids, until: float) -> None:
         """The engine copy of chunk k+1 (into one bounce half) overlaps the disk write of chunk k."""
+        self._disk_io().check()  # a stuck call may still use the bounce rows
         bounce = self.bounce[Lane.STORE]
         issued: list[Pending] = []
         pending: tuple[Pending, Ids, Ids] | None = None
@@ -272,6 +273,7 @@ class BlockMover:
 
     def _load_disk(self, region: EngineRegion, blocks: Ids, slots: Ids, until: float) -> None:
         """The disk read (and check) of chunk k+1 overlaps the engine copy of chunk k."""
+        self._disk_io().check()
         bounce = self.bounce[Lane.LOAD]
         inflight: list[Pending | None] = [None, None]
         try:
@@ -296,6 +298,7 @@ class BlockMover:
         """G2 -> G3, straight from the host slots (verified first with host checksums)."""
         if not len(batch.demote_host):
             return 0
+        self._disk_io().check()
         host, per = self._pool(), self.bounce[batch.lane].per_chunk
         for lo, hi in chunks(len(batch.demote_host), per):
             self._check_time(until)
@@ -314,6 +317,7 @@ class BlockMover:
         slot after the leader gave it to another block."""
         if not len(batch.promote_host):
             return 0
+        self._disk_io().check()
         host, bounce = self._pool(), self.bounce[batch.lane]
         assert host.geometry.slot_bytes == bounce.slots.shape[1]
         for k, (lo, hi) in enumerate(chunks(len(batch.promote_host), bounce.per_chunk)):

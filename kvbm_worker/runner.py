@@ -181,8 +181,9 @@ class JobRunner:
         no (nothing moved, nothing to report), :class:`CopyFailed` when the copy failed."""
         try:
             deadline = min(batch.deadline, await self.gate.start_job(batch.job_id, batch.job.epoch))
-        except JobFailed:
+        except JobFailed as exc:
             ticket.release()
+            log.warning("%s", exc.message)
             raise
         until = deadline + GRACE_SHARE * self.gate.grace
         try:

@@ -95,7 +95,12 @@ class NixlDiskIO:
         if not addrs:
             return
         with self._lock:
-            self._xfer_locked(op, addrs, offsets, lengths)
+            try:
+                self._xfer_locked(op, addrs, offsets, lengths)
+            except OSError:
+                raise
+            except Exception as exc:  # NIXL's own errors (nixlBackendError on a short read): an I/O error
+                raise OSError(f"NIXL POSIX {op} of {len(addrs)} runs failed: {type(exc).__name__}: {exc}") from exc
 
     def _xfer_locked(self, op: str, addrs: Sequence[int], offsets: Sequence[int], lengths: Sequence[int]) -> None:
         local = self.agent.get_xfer_descs([(a, n, 0) for a, n in zip(addrs, lengths)], "DRAM")

@@ -89,6 +89,13 @@ class TimedDiskIO:
         with self._lock:
             return time.monotonic() - min(self._stuck.values()) if self._stuck else 0.0
 
+    def check(self) -> None:
+        """Raise :class:`DiskHung` while an operation is stuck (before touching a bounce buffer)."""
+        stuck_for = self.hung_for
+        if stuck_for:
+            raise DiskHung(f"G3 refused: a disk operation has not returned for {stuck_for:.1f}s "
+                           f"(DYN_KVBM_DISK_IO_TIMEOUT_SECS={self.timeout:g})")
+
     def write(self, addrs: Sequence[int], offsets: Sequence[int], lengths: Sequence[int], hold: Any = None) -> None:
         """``hold``: the object owning the host memory (kept alive while the call runs)."""
         self._call("write", self.io.write, addrs, offsets, lengths, hold)
@@ -100,10 +107,7 @@ class TimedDiskIO:
               addrs: Sequence[int], offsets: Sequence[int], lengths: Sequence[int], hold: Any) -> None:
         if not addrs:
             return
-        stuck_for = self.hung_for
-        if stuck_for:
-            raise DiskHung(f"G3 disk {op} refused: an earlier disk operation has not returned for "
-                           f"{stuck_for:.1f}s (DYN_KVBM_DISK_IO_TIMEOUT_SECS={self.timeout:g})")
+        self.check()
         started = time.monotonic()
 
         def run(held: Any = hold) -> None:  # ``held``: a stuck call keeps its memory's owner alive

@@ -1,6 +1,11 @@
 """The GPU data path's pure parts, on CPU: run merging, layout description, lazy imports."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -56,6 +61,13 @@ def test_worker_parser_has_gpu_options_and_cpu_import_is_lazy():
     args = build_parser().parse_args(["--gpu", "0", "--cuda-copy", "gather"])
     assert args.gpu == 0 and args.cuda_copy == "gather"
     assert build_parser().parse_args(["--cpu"]).gpu is None
+    # a CPU worker imports its whole data path, the CUDA modules included, without CUDA
+    probe = ("import sys, kvbm_worker.daemon, kvbm_worker.service, kvbm_worker.handlers.cuda; "
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'cuda', 'nixl', 'nixl_cu13')))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", f"imported at start-up: {out.stdout}"
 
 
 def test_runs_are_cut_at_pinned_range_edges():
