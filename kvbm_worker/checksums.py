@@ -16,6 +16,8 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
+from .id_arrays import Slots
+
 Rows = npt.NDArray[np.uint8]  # 2-D: one slot per row (a pool's slots or a bounce buffer)
 Ids = npt.NDArray[np.int64]
 Sums = npt.NDArray[np.uint64]
@@ -37,30 +39,29 @@ class SlotSums:
         self.sums: Sums = np.zeros(num_slots, np.uint64)
         self.valid = np.zeros(num_slots, bool)
 
-    def forget(self, slots: Ids) -> None:
+    def forget(self, slots: Slots) -> None:
         self.valid[slots] = False
 
     def reset(self) -> None:
         """Every slot's contents are void (a new pool epoch)."""
         self.valid[:] = False
 
-    def record(self, slots: Ids, sums: Sums) -> None:
+    def record(self, slots: Slots, sums: Sums) -> None:
         self.sums[slots] = sums
         self.valid[slots] = True
 
-    def seal(self, slots: Ids, rows: Rows, picks: Ids) -> Sums:
+    def seal(self, slots: Slots, rows: Rows, picks: Ids) -> Sums:
         """Record the checksums of ``rows[picks]`` as those of ``slots``; returns them."""
         sums = digest(rows, picks, self.block_bytes)
         self.record(slots, sums)
         return sums
 
-    def mismatches(self, slots: Ids, sums: Sums) -> Ids:
+    def mismatches(self, slots: Slots, sums: Sums) -> Slots:
         """The slots whose recorded checksum is missing or differs from ``sums``."""
         bad = ~self.valid[slots] | (self.sums[slots] != sums)
-        out: Ids = slots[bad]
-        return out
+        return Slots(slots[bad])
 
-    def verify(self, slots: Ids, rows: Rows, picks: Ids) -> tuple[Ids, Sums]:
+    def verify(self, slots: Slots, rows: Rows, picks: Ids) -> tuple[Slots, Sums]:
         """Check ``rows[picks]`` against the checksums of ``slots``: (bad slots, computed sums)."""
         sums = digest(rows, picks, self.block_bytes)
         return self.mismatches(slots, sums), sums

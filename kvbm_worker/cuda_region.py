@@ -21,6 +21,7 @@ import numpy.typing as npt
 from kvbm_client.contract import pb
 from kvbm_client.regions import LayerSpec
 
+from .id_arrays import EngineBlocks
 from .regions import EngineRegion, RegionError
 
 log = logging.getLogger("kvbm.worker")
@@ -116,7 +117,7 @@ class CudaEngineRegion(EngineRegion):
         self.layer_stride = np.array([ls.block_stride_bytes for ls in self.layers], np.int64)
         self.layer_views = []  # no host views: the CPU handler must never touch this region
 
-    def page_addresses(self, blocks: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    def page_addresses(self, blocks: EngineBlocks) -> npt.NDArray[np.int64]:
         """Device address of page (layer, block) for every block: shape (len(blocks), num_layers).
 
         Raises ValueError for a block outside the region (a DMA must never leave it)."""

@@ -14,9 +14,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
-import numpy.typing as npt
 
 from kvbm_client.ids import JobId
+
+from .id_arrays import EngineBlocks
 
 LIMIT = 1024  # records kept at most (done ones are dropped oldest first beyond it)
 
@@ -42,11 +43,11 @@ class Moved:
 class Job:
     key: JobKey
     region_id: str
-    engine_blocks: npt.NDArray[np.int64]
+    engine_blocks: EngineBlocks
     deadline: float  # the plan's, CLOCK_MONOTONIC seconds
     task: "asyncio.Future[Moved]"
 
-    def same_target(self, region_id: str, engine_blocks: npt.NDArray[np.int64]) -> bool:
+    def same_target(self, region_id: str, engine_blocks: EngineBlocks) -> bool:
         return region_id == self.region_id and np.array_equal(engine_blocks, self.engine_blocks)
 
 

@@ -35,6 +35,7 @@ from .checksums import SlotSums, digest
 from .errors import CopyExpired, SlotsFailed
 from .handlers import cpu
 from .handlers.disk_guard import DiskHung, DiskTimeout, TimedDiskIO
+from .id_arrays import EngineBlocks, Slots
 from .lanes import Lane
 from .plan_check import Batch
 from .pools import DiskPool, HostPool
@@ -138,12 +139,12 @@ class BlockMover:
     def _enter_lane(self, region: EngineRegion | None) -> None:
         """Per-batch set-up on the lane thread (a CUDA device)."""
 
-    def _to_slots(self, region: EngineRegion, blocks: Ids, rows: Rows, picks: Ids) -> Pending:
+    def _to_slots(self, region: EngineRegion, blocks: EngineBlocks, rows: Rows, picks: Ids) -> Pending:
         """``rows[picks[i]]`` <- every layer's page of engine block ``blocks[i]``."""
         cpu.gather(region, blocks, rows, picks)
         return DONE
 
-    def _from_slots(self, region: EngineRegion, blocks: Ids, rows: Rows, picks: Ids) -> Pending:
+    def _from_slots(self, region: EngineRegion, blocks: EngineBlocks, rows: Rows, picks: Ids) -> Pending:
         """Every layer's page of engine block ``blocks[i]`` <- ``rows[picks[i]]``."""
         cpu.scatter(rows, picks, region, blocks)
         return DONE
@@ -186,18 +187,19 @@ class BlockMover:
         return self.disk_sums
 
     @staticmethod
-    def _verify(sums: SlotSums, tier: Tier, slots: Ids, rows: Rows, picks: Ids) -> npt.NDArray[np.uint64]:
+    def _verify(sums: SlotSums, tier: Tier, slots: Slots, rows: Rows, picks: Ids) -> npt.NDArray[np.uint64]:
         bad, computed = sums.verify(slots, rows, picks)
         if bad.size:
             raise SlotsFailed(tier, bad.tolist(), "checksum mismatch")
         return computed
 
     # ------------------------------------------------------------------ engine <-> G2
-    def _engine_host(self, kind: PlanKind, region: EngineRegion, blocks: Ids, slots: Ids, until: float) -> None:
+    def _engine_host(self, kind: PlanKind, region: EngineRegion, blocks: EngineBlocks, slots: Slots,
+                     until: float) -> None:
         host, sums = self._pool(), self.host_sums
         for lo, hi in chunks(len(blocks), HOST_CHUNK_BYTES // region.block_bytes):
             self._check_time(until)
-            b, s = blocks[lo:hi], slots[lo:hi]
+            b, s = EngineBlocks(blocks[lo:hi]), Slots(slots[lo:hi])
             if kind is PlanKind.STORE:
                 if sums is not None:
                     sums.forget(s)
@@ -216,21 +218,21 @@ class BlockMover:
         assert self.disk_io is not None and self.disk is not None, "a plan names G3 on a worker without G3"
         return self.disk_io
 
-    def _disk_runs(self, addrs: Ids, slots: Ids) -> tuple[list[int], list[int], list[int]]:
+    def _disk_runs(self, addrs: Ids, slots: Slots) -> tuple[list[int], list[int], list[int]]:
         """Consecutive slots at consecutive addresses become one I/O."""
         assert self.disk is not None
         unit = self.disk.geometry.slot_bytes
         a, o, n = segments(addrs, slots * unit, unit)
         return a.tolist(), o.tolist(), n.tolist()
 
-    def _write_disk(self, addrs: Ids, slots: Ids, sums: npt.NDArray[np.uint64], hold: object) -> None:
+    def _write_disk(self, addrs: Ids, slots: Slots, sums: npt.NDArray[np.uint64], hold: object) -> None:
         """Write host memory at ``addrs`` to G3 ``slots``; their checksums are ``sums`` once written."""
         table = self._sums()
         table.forget(slots)
         self._disk_io().write(*self._disk_runs(addrs, slots), hold=hold)
         table.record(slots, sums)
 
-    def _read_rows(self, bounce: BounceBuffer, rows: Ids, slots: Ids) -> npt.NDArray[np.uint64]:
+    def _read_rows(self, bounce: BounceBuffer, rows: Ids, slots: Slots) -> npt.NDArray[np.uint64]:
         """Read G3 ``slots`` into ``bounce`` rows and verify them; returns their checksums."""
         try:
             self._disk_io().read(*self._disk_runs(bounce.address(rows), slots), hold=bounce.slots)
@@ -242,14 +244,14 @@ class BlockMover:
             raise SlotsFailed(Tier.DISK, slots.tolist(), f"could not be read: {exc}") from None
         return self._verify(self._sums(), Tier.DISK, slots, bounce.slots, rows)
 
-    def _store_disk(self, region: EngineRegion, blocks: Ids, slots: Ids, until: float) -> None:
+    def _store_disk(self, region: EngineRegion, blocks: EngineBlocks, slots: Slots, until: float) -> None:
         """The engine copy of chunk k+1 (into one bounce half) overlaps the disk write of chunk k."""
         self._disk_io().check()  # a stuck call may still use the bounce rows
         bounce = self.bounce[Lane.STORE]
         issued: list[Pending] = []
-        pending: tuple[Pending, Ids, Ids] | None = None
+        pending: tuple[Pending, Ids, Slots] | None = None
 
-        def write_out(copy: Pending, rows: Ids, to: Ids) -> None:
+        def write_out(copy: Pending, rows: Ids, to: Slots) -> None:
             copy.wait()
             self._check_time(until)
             sums = digest(bounce.slots, rows, self._sums().block_bytes)
@@ -261,17 +263,17 @@ class BlockMover:
                 if pending is not None and not bounce.overlaps:
                     write_out(*pending)
                     pending = None
-                issued.append(self._to_slots(region, blocks[lo:hi], bounce.slots, rows))
+                issued.append(self._to_slots(region, EngineBlocks(blocks[lo:hi]), bounce.slots, rows))
                 if pending is not None:
                     write_out(*pending)
-                pending = (issued[-1], rows, slots[lo:hi])
+                pending = (issued[-1], rows, Slots(slots[lo:hi]))
             if pending is not None:
                 write_out(*pending)
         finally:
             for copy in issued:  # no engine copy may still write a bounce row after we return
                 copy.wait()
 
-    def _load_disk(self, region: EngineRegion, blocks: Ids, slots: Ids, until: float) -> None:
+    def _load_disk(self, region: EngineRegion, blocks: EngineBlocks, slots: Slots, until: float) -> None:
         """The disk read (and check) of chunk k+1 overlaps the engine copy of chunk k."""
         self._disk_io().check()
         bounce = self.bounce[Lane.LOAD]
@@ -285,8 +287,8 @@ class BlockMover:
                         inflight[half] = None
                 rows = bounce.rows(k, hi - lo)
                 self._check_time(until)
-                self._read_rows(bounce, rows, slots[lo:hi])
-                inflight[k % 2] = self._from_slots(region, blocks[lo:hi], bounce.slots, rows)
+                self._read_rows(bounce, rows, Slots(slots[lo:hi]))
+                inflight[k % 2] = self._from_slots(region, EngineBlocks(blocks[lo:hi]), bounce.slots, rows)
         finally:
             for copy in inflight:
                 if copy is not None:
@@ -302,7 +304,7 @@ class BlockMover:
         host, per = self._pool(), self.bounce[batch.lane].per_chunk
         for lo, hi in chunks(len(batch.demote_host), per):
             self._check_time(until)
-            h, d = batch.demote_host[lo:hi], batch.demote_disk[lo:hi]
+            h, d = Slots(batch.demote_host[lo:hi]), Slots(batch.demote_disk[lo:hi])
             if self.host_sums is not None:
                 sums = self._verify(self.host_sums, Tier.HOST, h, host.slots, h)
             else:
@@ -322,7 +324,7 @@ class BlockMover:
         assert host.geometry.slot_bytes == bounce.slots.shape[1]
         for k, (lo, hi) in enumerate(chunks(len(batch.promote_host), bounce.per_chunk)):
             self._check_time(until)
-            h, d = batch.promote_host[lo:hi], batch.promote_disk[lo:hi]
+            h, d = Slots(batch.promote_host[lo:hi]), Slots(batch.promote_disk[lo:hi])
             rows = bounce.rows(k, hi - lo)
             sums = self._read_rows(bounce, rows, d)
             if self.host_sums is not None:

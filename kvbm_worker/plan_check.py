@@ -33,6 +33,7 @@ from kvbm_client.contract import pb, verify_plan
 from kvbm_client.ids import JobId, PlanKind, Tier
 
 from .errors import PlanRejected
+from .id_arrays import NO_BLOCKS, NO_SLOTS, EngineBlocks, Slots
 from .jobs import JobKey
 from .lanes import Lane
 
@@ -65,13 +66,13 @@ class Batch:
     kind: PlanKind
     job: JobKey
     deadline: float  # the plan's, CLOCK_MONOTONIC seconds
-    tiers: Ids = field(default_factory=lambda: _NONE)
-    slots: Ids = field(default_factory=lambda: _NONE)
-    engine_blocks: Ids = field(default_factory=lambda: _NONE)
-    demote_host: Ids = field(default_factory=lambda: _NONE)
-    demote_disk: Ids = field(default_factory=lambda: _NONE)
-    promote_host: Ids = field(default_factory=lambda: _NONE)
-    promote_disk: Ids = field(default_factory=lambda: _NONE)
+    tiers: Ids = field(default_factory=lambda: _NONE)  # Tier of each entry
+    slots: Slots = field(default_factory=lambda: NO_SLOTS)
+    engine_blocks: EngineBlocks = field(default_factory=lambda: NO_BLOCKS)
+    demote_host: Slots = field(default_factory=lambda: NO_SLOTS)
+    demote_disk: Slots = field(default_factory=lambda: NO_SLOTS)
+    promote_host: Slots = field(default_factory=lambda: NO_SLOTS)
+    promote_disk: Slots = field(default_factory=lambda: NO_SLOTS)
 
     @property
     def job_id(self) -> JobId:
@@ -82,10 +83,10 @@ class Batch:
         """Loads run on the load lane; stores, demotions and promotions on the store lane."""
         return Lane.LOAD if self.kind is PlanKind.LOAD else Lane.STORE
 
-    def entries(self, tier: Tier) -> tuple[Ids, Ids]:
+    def entries(self, tier: Tier) -> tuple[EngineBlocks, Slots]:
         """The (engine blocks, slots) of the entries in ``tier``, in plan order."""
         picks = np.flatnonzero(self.tiers == int(tier))
-        return self.engine_blocks[picks], self.slots[picks]
+        return EngineBlocks(self.engine_blocks[picks]), Slots(self.slots[picks])
 
 
 def unsigned(values: Sequence[int], limit: int, what: str, job_id: JobId | None = None) -> Ids:
@@ -142,9 +143,9 @@ def verified(signed: "pb.SignedPlan", key: bytes | None, pools: PoolSlots | None
     return plan
 
 
-def _batch(plan: "pb.TransferPlan", kind: PlanKind, blocks: Ids = _NONE) -> Batch:
-    def ids(values: Sequence[int]) -> Ids:  # range-checked in verified()
-        return np.asarray(values, np.uint64).astype(np.int64)
+def _batch(plan: "pb.TransferPlan", kind: PlanKind, blocks: EngineBlocks = NO_BLOCKS) -> Batch:
+    def ids(values: Sequence[int]) -> Slots:  # range-checked in verified()
+        return Slots(np.asarray(values, np.uint64).astype(np.int64))
     return Batch(kind, JobKey(plan.leader_id, plan.epoch, JobId(plan.job_id)), plan.deadline,
                  np.asarray(plan.tiers, np.int64), ids(plan.slots), blocks, ids(plan.demote_host_slots),
                  ids(plan.demote_disk_slots), ids(plan.promote_host_slots), ids(plan.promote_disk_slots))
@@ -161,7 +162,7 @@ def check_transfer(signed: "pb.SignedPlan", key: bytes | None, pools: PoolSlots 
     if len(engine_blocks) != len(plan.slots):
         raise PlanRejected(Code.INVALID_ARGUMENT,
                            f"{len(engine_blocks)} engine blocks for a plan of {len(plan.slots)} entries", job)
-    blocks = unsigned(engine_blocks, region.num_blocks, "engine block", job)
+    blocks = EngineBlocks(unsigned(engine_blocks, region.num_blocks, "engine block", job))
     if kind is PlanKind.LOAD and _has_duplicates(blocks):
         raise PlanRejected(Code.INVALID_ARGUMENT, "a load writes one engine block twice", job)
     return _batch(plan, kind, blocks)

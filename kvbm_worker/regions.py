@@ -26,6 +26,8 @@ from kvbm_client.config import KvbmConfig
 from kvbm_client.contract import pb
 from kvbm_client.regions import LayerSpec
 
+from .id_arrays import EngineBlocks
+
 
 class RegionError(ValueError):
     """The registration request does not describe memory the worker can safely address."""
@@ -96,7 +98,7 @@ class EngineRegion:
     def block_bytes(self) -> int:
         return self.num_layers * self.page_bytes
 
-    def check_blocks(self, blocks: npt.NDArray[np.int64]) -> None:
+    def check_blocks(self, blocks: EngineBlocks) -> None:
         """Defence in depth before a copy: every engine block id lies in the region."""
         if blocks.size and (int(blocks.min()) < 0 or int(blocks.max()) >= self.num_blocks):
             raise ValueError(f"engine blocks {int(blocks.min())}..{int(blocks.max())} outside "

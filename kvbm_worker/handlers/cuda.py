@@ -22,6 +22,7 @@ from kvbm_client.contract import pb
 
 from ..cuda_region import CudaEngineRegion, CudaError, check, cudart
 from ..handlers.disk_guard import TimedDiskIO
+from ..id_arrays import EngineBlocks
 from ..lanes import Lane
 from ..mover import BlockMover, Pending
 from ..pools import DiskPool, HostPool
@@ -104,13 +105,13 @@ class CudaMover(BlockMover):
             torch.cuda.set_device(self.device)
             cudart().cudaSetDevice(self.device)
 
-    def _to_slots(self, region: EngineRegion, blocks: Ids, rows: Rows, picks: Ids) -> Pending:
+    def _to_slots(self, region: EngineRegion, blocks: EngineBlocks, rows: Rows, picks: Ids) -> Pending:
         if not isinstance(region, CudaEngineRegion):
             return super()._to_slots(region, blocks, rows, picks)
         addrs = rows.ctypes.data + picks * rows.shape[1]
         return _Event(self.copier.copy(Direction.D2H, region, blocks, addrs, wait=False))
 
-    def _from_slots(self, region: EngineRegion, blocks: Ids, rows: Rows, picks: Ids) -> Pending:
+    def _from_slots(self, region: EngineRegion, blocks: EngineBlocks, rows: Rows, picks: Ids) -> Pending:
         if not isinstance(region, CudaEngineRegion):
             return super()._from_slots(region, blocks, rows, picks)
         addrs = rows.ctypes.data + picks * rows.shape[1]

@@ -29,6 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..cuda_region import CudaEngineRegion, CudaError, check, cudart
+from ..id_arrays import EngineBlocks
 from ..runs import segments
 from .pinned import PinnedHost
 
@@ -154,16 +155,16 @@ class CudaCopier:
         layer by layer); H2D: the reverse. Returns the CUDA event of completion."""
         import torch
         direction = Direction(direction)
-        blocks = np.asarray(blocks, dtype=np.int64)
+        ids = EngineBlocks(np.asarray(blocks, dtype=np.int64))
         host_addrs = np.asarray(host_addrs, dtype=np.int64)
         stream = self.streams[direction]
-        mech = self._choose(region, blocks, host_addrs, CopyMechanism(mechanism or self.mechanism))
+        mech = self._choose(region, ids, host_addrs, CopyMechanism(mechanism or self.mechanism))
         self.last_mechanism = mech.value
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             if mech is CopyMechanism.GATHER:
-                self._gather(direction, region, blocks, host_addrs, stream)
+                self._gather(direction, region, ids, host_addrs, stream)
             else:
-                src, dst = self._pages(direction, region, blocks, host_addrs)
+                src, dst = self._pages(direction, region, ids, host_addrs)
                 self._dma(src, dst, region.page_bytes, direction is Direction.H2D, mech, stream)
             event = _event()
             event.record(stream)
@@ -171,7 +172,7 @@ class CudaCopier:
             event.synchronize()
         return event
 
-    def _choose(self, region: CudaEngineRegion, blocks: Addrs, host_addrs: Addrs,
+    def _choose(self, region: CudaEngineRegion, blocks: EngineBlocks, host_addrs: Addrs,
                 mech: CopyMechanism) -> CopyMechanism:
         if mech is CopyMechanism.GATHER and not self._gather_views(region).ok:
             mech = CopyMechanism.AUTO
@@ -182,7 +183,7 @@ class CudaCopier:
         # so gather is only the fallback for small runs when the batch API is missing.
         if self._batch_ok is not False:
             return CopyMechanism.BATCH
-        src, dst = self._pages(Direction.D2H, region, blocks[:64], host_addrs[:64])
+        src, dst = self._pages(Direction.D2H, region, EngineBlocks(blocks[:64]), host_addrs[:64])
         _, _, lengths = segments(src, dst, region.page_bytes)
         if lengths.mean() >= AUTO_DMA_MIN_BYTES or not self._gather_views(region).ok:
             return CopyMechanism.RUNS
@@ -190,7 +191,7 @@ class CudaCopier:
 
     # ------------------------------------------------------------------ direct DMA
     @staticmethod
-    def _pages(direction: Direction, region: CudaEngineRegion, blocks: Addrs, host_addrs: Addrs
+    def _pages(direction: Direction, region: CudaEngineRegion, blocks: EngineBlocks, host_addrs: Addrs
                ) -> tuple[Addrs, Addrs]:
         g1 = region.page_addresses(blocks).ravel()
         host = (host_addrs[:, None] + np.arange(region.num_layers, dtype=np.int64)[None, :] * region.page_bytes).ravel()
@@ -240,7 +241,7 @@ class CudaCopier:
             buf = self._staging[direction] = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{self.device}")
         return buf
 
-    def _gather(self, direction: Direction, region: CudaEngineRegion, blocks: Addrs, host_addrs: Addrs,
+    def _gather(self, direction: Direction, region: CudaEngineRegion, blocks: EngineBlocks, host_addrs: Addrs,
                 stream: Any) -> None:
         import torch
         views = self._gather_views(region)
