@@ -59,6 +59,16 @@ def transfer(node, client, handle, blocks):
     return lambda: worker_stub(node).Transfer(request, timeout=30)
 
 
+async def stored(node, keys) -> AsyncKvbmClient:
+    """An async client of ``node`` with an engine registered and ``keys`` stored from its first blocks."""
+    client = await AsyncKvbmClient.connect(node.config())
+    engine = node.engine(num_blocks=64)
+    await client.register_region("0", engine.spec())
+    await client.wait_ready(30)
+    await client.wait(await client.offload(keys, list(range(len(keys)))))
+    return client
+
+
 # ---------------------------------------------------------------------------- row 1
 @pytest.mark.parametrize("block", [2**64 - 1, 2**63, 64])
 def test_row1_engine_block_ids_are_unsigned(make_node, block):
@@ -96,16 +106,11 @@ def test_row2_a_released_plan_replayed_after_its_slot_was_reused_moves_nothing(m
 def test_row3_queued_loads_never_start_after_their_deadline(make_node):
     node = make_node(DYN_KVBM_JOB_TIMEOUT_SECS="1", DYN_KVBM_MAX_QUEUED_JOBS="1000",
                      **faulty(COPY_DELAY_SECS="0.02"))
-    config, n = node.config(), 600
+    n, keys = 600, hashes(2, seed=3)
 
     async def scenario() -> list[object]:
-        client = await AsyncKvbmClient.connect(config)
+        client = await stored(node, keys)
         try:
-            engine = node.engine(num_blocks=64)
-            await client.register_region("0", engine.spec())
-            await client.wait_ready(30)
-            keys = hashes(2, seed=3)
-            await client.wait(await client.offload(keys, [0, 1]))
             handles = await asyncio.gather(*(client.onboard(keys, [2 + i % 60, 3 + i % 60]) for i in range(n)))
             return await asyncio.gather(*(client.wait(h) for h in handles), return_exceptions=True)
         finally:
@@ -126,16 +131,11 @@ def test_row3_queued_loads_never_start_after_their_deadline(make_node):
 
 def test_row3_lane_queues_are_bounded(make_node):
     node = make_node(DYN_KVBM_MAX_QUEUED_JOBS="2", **faulty(COPY_DELAY_SECS="0.3"))
-    config = node.config()
+    keys = hashes(1, seed=4)
 
     async def scenario() -> tuple[list[object], object]:
-        client = await AsyncKvbmClient.connect(config)
+        client = await stored(node, keys)
         try:
-            engine = node.engine(num_blocks=64)
-            await client.register_region("0", engine.spec())
-            await client.wait_ready(30)
-            keys = hashes(1, seed=4)
-            await client.wait(await client.offload(keys, [0]))
             handles = await asyncio.gather(*(client.onboard(keys, [10 + i]) for i in range(8)))
             results = await asyncio.gather(*(client.wait(h) for h in handles), return_exceptions=True)
             after = await client.wait(await client.onboard(keys, [30]))  # the worker still serves
