@@ -107,7 +107,7 @@ class Lanes:
         if now >= deadline:
             self.late_starts += 1
             raise LateStart(now - deadline, now - ticket.admitted)
-        log.debug("%s: copy starts %.1f ms before its deadline (queued %.1f ms on the %s lane)", ticket.label,
+        log.debug("%s: copy starts %.6f ms before its deadline (queued %.1f ms on the %s lane)", ticket.label,
                   (deadline - now) * 1e3, (now - ticket.admitted) * 1e3, ticket.lane.value)
         start = time.perf_counter()
         result = fn(*args)
