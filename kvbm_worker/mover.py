@@ -196,20 +196,37 @@ class BlockMover:
     # ------------------------------------------------------------------ engine <-> G2
     def _engine_host(self, kind: PlanKind, region: EngineRegion, blocks: EngineBlocks, slots: Slots,
                      until: float) -> None:
+        """Chunk k+1 is issued while chunk k is in flight (an asynchronous medium keeps its copy
+        queue busy); the time is checked before each chunk is issued."""
         host, sums = self._pool(), self.host_sums
-        for lo, hi in chunks(len(blocks), HOST_CHUNK_BYTES // region.block_bytes):
-            self._check_time(until)
-            b, s = EngineBlocks(blocks[lo:hi]), Slots(slots[lo:hi])
-            if kind is PlanKind.STORE:
-                if sums is not None:
-                    sums.forget(s)
-                self._to_slots(region, b, host.slots, s).wait()
-                if sums is not None:
-                    sums.seal(s, host.slots, s)
-            else:
-                if sums is not None:
-                    self._verify(sums, Tier.HOST, s, host.slots, s)
-                self._from_slots(region, b, host.slots, s).wait()
+        issued: list[Pending] = []
+        in_flight: tuple[Pending, Slots] | None = None
+
+        def settle(copy: Pending, to: Slots) -> None:
+            copy.wait()
+            if sums is not None and kind is PlanKind.STORE:
+                sums.seal(to, host.slots, to)
+
+        try:
+            for lo, hi in chunks(len(blocks), HOST_CHUNK_BYTES // region.block_bytes):
+                self._check_time(until)
+                b, s = EngineBlocks(blocks[lo:hi]), Slots(slots[lo:hi])
+                if kind is PlanKind.STORE:
+                    if sums is not None:
+                        sums.forget(s)
+                    issued.append(self._to_slots(region, b, host.slots, s))
+                else:
+                    if sums is not None:
+                        self._verify(sums, Tier.HOST, s, host.slots, s)
+                    issued.append(self._from_slots(region, b, host.slots, s))
+                if in_flight is not None:
+                    settle(*in_flight)
+                in_flight = (issued[-1], s)
+            if in_flight is not None:
+                settle(*in_flight)
+        finally:
+            for copy in issued:  # nothing may still be copying once the job is answered
+                copy.wait()
         if kind is PlanKind.LOAD:
             self._check_time(until)  # the source slots were still ours while they were read
 
