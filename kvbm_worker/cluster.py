@@ -14,8 +14,7 @@ from kvbm_client.bus import NatsBus, nats_auth
 from kvbm_client.config import KvbmConfig
 from kvbm_client.discovery import EtcdRegistration, describe_self, lookup_leader, worker_key
 
-from .commands.nats import NatsCommandServer
-from .service import WorkerService
+from .commands.nats import Acknowledge, NatsCommandServer
 
 log = logging.getLogger("kvbm.worker")
 
@@ -23,9 +22,11 @@ log = logging.getLogger("kvbm.worker")
 class WorkerCluster:
     """Owns the worker's etcd lease and NATS subscription; see the module docstring."""
 
-    def __init__(self, config: KvbmConfig, service: WorkerService, address: str, discover_leader: bool) -> None:
+    def __init__(self, config: KvbmConfig, worker_id: str, rank: int, address: str, discover_leader: bool,
+                 acknowledge: Acknowledge) -> None:
         self.config = config
-        self.service = service
+        self.worker_id, self.rank = worker_id, rank
+        self._acknowledge = acknowledge
         self.address = address
         self.node = config.resolved_node_name
         self.discover_leader = discover_leader and bool(config.etcd_endpoints)
@@ -39,13 +40,13 @@ class WorkerCluster:
         if cfg.etcd_endpoints:
             self.etcd = EtcdRegistration(cfg.etcd_endpoints, cfg.etcd_lease_ttl_secs)
             await self.etcd.start()
-            await self.etcd.put(worker_key(self.node, self.service.worker_id),
-                                describe_self("worker", worker_id=self.service.worker_id, rank=self.service.rank,
+            await self.etcd.put(worker_key(self.node, self.worker_id),
+                                describe_self("worker", worker_id=self.worker_id, rank=self.rank,
                                               node=self.node, endpoint=self.address))
-            log.info("registered in etcd as %s", worker_key(self.node, self.service.worker_id))
+            log.info("registered in etcd as %s", worker_key(self.node, self.worker_id))
         if cfg.nats_server:
-            self.bus = NatsBus(cfg.nats_server, f"kvbm-worker-{self.node}-{self.service.worker_id}", nats_auth(cfg))
-            self.commands = NatsCommandServer(self.bus, self.node, self.service)
+            self.bus = NatsBus(cfg.nats_server, f"kvbm-worker-{self.node}-{self.worker_id}", nats_auth(cfg))
+            self.commands = NatsCommandServer(self.bus, self.node, self.worker_id, self._acknowledge)
             await self.commands.start()
             await self.bus.start()
             log.info("taking leader commands on NATS %s", self.commands.subject)
@@ -55,7 +56,7 @@ class WorkerCluster:
         if not self.discover_leader:
             return None
         record = await lookup_leader(self.config, timeout)
-        return record["endpoint"]
+        return str(record["endpoint"])
 
     async def close(self) -> None:
         if self._closed:

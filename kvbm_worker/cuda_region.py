@@ -10,14 +10,18 @@ Everything CUDA is imported lazily: this module imports on a machine without CUD
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import uuid
+from typing import Any, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from kvbm_client.contract import pb
 from kvbm_client.regions import LayerSpec
 
+from .id_arrays import EngineBlocks
 from .regions import EngineRegion, RegionError
 
 log = logging.getLogger("kvbm.worker")
@@ -29,16 +33,15 @@ class CudaError(RuntimeError):
     """A CUDA runtime call failed."""
 
 
-def cudart():
+def cudart() -> Any:
     """cuda-python's runtime bindings (``cuda.bindings.runtime``, or ``cuda.cudart`` before 12.6)."""
     try:
-        from cuda.bindings import runtime
+        return importlib.import_module("cuda.bindings.runtime")
     except ImportError:
-        from cuda import cudart as runtime  # type: ignore[no-redef]
-    return runtime
+        return importlib.import_module("cuda.cudart")
 
 
-def check(result, what: str):
+def check(result: Any, what: str) -> Any:
     """Unpack a cuda-python ``(err, *values)`` tuple; raise :class:`CudaError` on failure."""
     rt = cudart()
     err, *values = result if isinstance(result, tuple) else (result,)
@@ -47,7 +50,7 @@ def check(result, what: str):
     return values[0] if len(values) == 1 else values
 
 
-def device_tensor(ptr: int, nbytes: int, device: int):
+def device_tensor(ptr: int, nbytes: int, device: int) -> Any:
     """A uint8 torch tensor over ``nbytes`` of device memory at ``ptr`` (not owned)."""
     import torch
 
@@ -76,7 +79,9 @@ class CudaEngineRegion(EngineRegion):
         self._validate_shape(request)
         self._maps = []
         self._opened: dict[bytes, int] = {}  # handle -> base pointer, each handle opened once
-        self.buffers, self.buffer_ptrs = [], []
+        self._allocation_end: dict[int, int] = {}  # base pointer -> end of its allocation
+        self.buffers: list[Any] = []  # torch tensors (uint8) on the device
+        self.buffer_ptrs: list[int] = []
         torch.cuda.set_device(device)
         try:
             for i, buf in enumerate(request.buffers):
@@ -90,7 +95,7 @@ class CudaEngineRegion(EngineRegion):
         self._index()
 
     @classmethod
-    def from_local(cls, tensors, layers: list[tuple[int, int, int]], page_bytes: int, num_blocks: int,
+    def from_local(cls, tensors: Sequence[Any], layers: list[tuple[int, int, int]], page_bytes: int, num_blocks: int,
                    dtype: str = "uint8") -> "CudaEngineRegion":
         """A region over this process's own tensors (tests, benchmarks: IPC cannot open a handle
         in the process that made it). ``layers`` are (buffer_index, offset, stride)."""
@@ -100,7 +105,7 @@ class CudaEngineRegion(EngineRegion):
         self.page_bytes, self.num_blocks, self.dtype = page_bytes, num_blocks, dtype
         self.device = tensors[0].device.index
         self.layers = [LayerSpec(*lay) for lay in layers]
-        self._maps, self._opened = [], {}
+        self._maps, self._opened, self._allocation_end = [], {}, {}
         self.buffers = [t.reshape(-1).view(torch.uint8) for t in tensors]
         self.buffer_ptrs = [t.data_ptr() for t in tensors]
         self._validate_bounds()
@@ -112,11 +117,14 @@ class CudaEngineRegion(EngineRegion):
         self.layer_stride = np.array([ls.block_stride_bytes for ls in self.layers], np.int64)
         self.layer_views = []  # no host views: the CPU handler must never touch this region
 
-    def page_addresses(self, blocks: np.ndarray) -> np.ndarray:
-        """Device address of page (layer, block) for every block: shape (len(blocks), num_layers)."""
+    def page_addresses(self, blocks: EngineBlocks) -> npt.NDArray[np.int64]:
+        """Device address of page (layer, block) for every block: shape (len(blocks), num_layers).
+
+        Raises ValueError for a block outside the region (a DMA must never leave it)."""
+        self.check_blocks(blocks)
         return self.layer_base[None, :] + blocks.astype(np.int64)[:, None] * self.layer_stride[None, :]
 
-    def _open(self, index: int, buf) -> int:
+    def _open(self, index: int, buf: "pb.RegionBuffer") -> int:
         kind = buf.WhichOneof("handle")
         if kind != "cuda_ipc_handle":
             raise RegionError(f"buffer {index}: {kind or 'no handle'} in a CUDA region (mixing host and "
@@ -145,7 +153,6 @@ class CudaEngineRegion(EngineRegion):
                                   "is the handle from cudaIpcGetMemHandle?)") from None
             self._opened[handle] = base
             # NOTE: the allocation's size is not in the handle; cuMemGetAddressRange bounds it.
-            self._allocation_end = getattr(self, "_allocation_end", {})
             self._allocation_end[base] = base + _allocation_size(base)
         end = base + int(buf.offset_bytes) + int(buf.size_bytes)
         if end > self._allocation_end[base]:

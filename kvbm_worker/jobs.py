@@ -5,7 +5,7 @@ outcome (the vLLM scheduler role starts a load as soon as the engine allocated i
 and the worker role asks for the same plan again before the step's forward). Records are
 kept until the plan's deadline, after which no new job could start from that plan anyway.
 
-Pure bookkeeping (no I/O): the service owns the tasks.
+Pure bookkeeping (no I/O): the job runner (:mod:`kvbm_worker.runner`) owns the tasks.
 """
 from __future__ import annotations
 
@@ -14,6 +14,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
+
+from kvbm_client.ids import JobId
+
+from .id_arrays import EngineBlocks
 
 LIMIT = 1024  # records kept at most (done ones are dropped oldest first beyond it)
 
@@ -24,22 +28,32 @@ class JobKey:
 
     leader_id: str
     epoch: int
-    job_id: int
+    job_id: JobId
+
+
+@dataclass(frozen=True, slots=True)
+class Moved:
+    """What a finished job moved: bytes, and seconds on its lane."""
+
+    bytes: int
+    seconds: float
 
 
 @dataclass(slots=True)
 class Job:
     key: JobKey
     region_id: str
-    engine_blocks: np.ndarray
+    engine_blocks: EngineBlocks
     deadline: float  # the plan's, CLOCK_MONOTONIC seconds
-    task: "asyncio.Future[tuple[int, float]]"
+    task: "asyncio.Future[Moved]"
 
-    def same_target(self, region_id: str, engine_blocks: np.ndarray) -> bool:
+    def same_target(self, region_id: str, engine_blocks: EngineBlocks) -> bool:
         return region_id == self.region_id and np.array_equal(engine_blocks, self.engine_blocks)
 
 
 class JobTable:
+    """The worker's jobs by :class:`JobKey`; invariant: a running job is never dropped."""
+
     def __init__(self, limit: int = LIMIT) -> None:
         self.limit = limit
         self._jobs: OrderedDict[JobKey, Job] = OrderedDict()

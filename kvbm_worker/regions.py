@@ -7,26 +7,64 @@ that every page of every layer lies inside its buffer, so no later transfer can 
 memory outside what the engine handed over.
 
 Media: ``shm`` (a CPU engine's buffer in a file the worker can mmap, e.g. /dev/shm) lives
-here; CUDA IPC import belongs to ``handlers/cuda.py`` (GPU data path).
+here; CUDA IPC import belongs to ``cuda_region.py`` (GPU data path).
+
+Every request first passes :func:`check_request` (sizes and names within the configured
+limits), before any file is opened or any memory mapped.
 """
 from __future__ import annotations
 
 import mmap
 import os
 import uuid
+from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
+from kvbm_client.config import KvbmConfig
 from kvbm_client.contract import pb
 from kvbm_client.regions import LayerSpec
+
+from .id_arrays import EngineBlocks
 
 
 class RegionError(ValueError):
     """The registration request does not describe memory the worker can safely address."""
 
 
+@dataclass(frozen=True, slots=True)
+class RegionLimits:
+    """How much one registration may describe (``DYN_KVBM_MAX_REGION_*``, ``_MAX_NAME_BYTES``)."""
+
+    max_pages: int = 8192  # layer placements (one per layer, or per K and V)
+    max_buffers: int = 64
+    max_name_bytes: int = 256
+
+    @classmethod
+    def of(cls, config: KvbmConfig) -> "RegionLimits":
+        return cls(config.max_region_pages, config.max_region_buffers, config.max_name_bytes)
+
+
+def check_request(request: "pb.RegisterRegionRequest", limits: RegionLimits) -> None:
+    """Raise :class:`RegionError` if the request exceeds ``limits`` (pure; nothing is opened)."""
+    if len(request.engine_id.encode()) > limits.max_name_bytes:
+        raise RegionError(f"engine_id of {len(request.engine_id.encode())} bytes; at most {limits.max_name_bytes} "
+                          "(DYN_KVBM_MAX_NAME_BYTES)")
+    if len(request.layers) > limits.max_pages:
+        raise RegionError(f"{len(request.layers)} layer placements; at most {limits.max_pages} "
+                          "(DYN_KVBM_MAX_REGION_PAGES)")
+    if len(request.buffers) > limits.max_buffers:
+        raise RegionError(f"{len(request.buffers)} buffers; at most {limits.max_buffers} "
+                          "(DYN_KVBM_MAX_REGION_BUFFERS)")
+
+
 class EngineRegion:
-    """A CPU engine's KV cache mapped from shared memory."""
+    """A CPU engine's KV cache mapped from shared memory.
+
+    Owns its mappings (``close()`` unmaps). Invariant: every page of every layer lies inside
+    its buffer (checked at registration, before the region is usable).
+    """
 
     def __init__(self, request: "pb.RegisterRegionRequest") -> None:
         self.region_id = f"region-{uuid.uuid4().hex[:12]}"
@@ -38,7 +76,8 @@ class EngineRegion:
         self.layers = [LayerSpec(lp.buffer_index, lp.offset_bytes, lp.block_stride_bytes) for lp in request.layers]
         self._validate_shape(request)
         self._maps: list[mmap.mmap] = []
-        self.buffers: list[np.ndarray] = []
+        self.buffers: list[npt.NDArray[np.uint8]] = []
+        self.layer_views: list[npt.NDArray[np.uint8]] = []
         try:
             for i, buf in enumerate(request.buffers):
                 self.buffers.append(self._map(i, buf))
@@ -59,7 +98,13 @@ class EngineRegion:
     def block_bytes(self) -> int:
         return self.num_layers * self.page_bytes
 
-    def _validate_shape(self, request) -> None:
+    def check_blocks(self, blocks: EngineBlocks) -> None:
+        """Defence in depth before a copy: every engine block id lies in the region."""
+        if blocks.size and (int(blocks.min()) < 0 or int(blocks.max()) >= self.num_blocks):
+            raise ValueError(f"engine blocks {int(blocks.min())}..{int(blocks.max())} outside "
+                             f"0..{self.num_blocks - 1}")
+
+    def _validate_shape(self, request: "pb.RegisterRegionRequest") -> None:
         if not request.buffers:
             raise RegionError("no buffers")
         if not self.layers:
@@ -73,7 +118,7 @@ class EngineRegion:
                 raise RegionError(f"layer {i}: block stride {ls.block_stride_bytes} < page_bytes {self.page_bytes} "
                                   "(pages would overlap)")
 
-    def _map(self, index: int, buf) -> np.ndarray:
+    def _map(self, index: int, buf: "pb.RegionBuffer") -> npt.NDArray[np.uint8]:
         kind = buf.WhichOneof("handle")
         if kind != "shm_path":
             raise RegionError(f"buffer {index}: {kind or 'no handle'} is not served by a CPU worker "

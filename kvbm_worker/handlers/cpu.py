@@ -1,30 +1,29 @@
-"""CPU copies between the engine's pages and block-sized slots (host pool or bounce buffer).
+"""CPU copies between a CPU engine's pages (mapped shared memory) and slot rows (host pool
+or bounce buffer): the CPU medium of :class:`kvbm_worker.mover.BlockMover`.
 
-Runs on the worker's transfer threads. One vectorised gather/scatter per layer, not per
-block: numpy releases the GIL for the bulk copy.
+Runs on the worker's lane threads. One vectorised gather/scatter per layer, not per block:
+numpy releases the GIL for the bulk copy.
 """
 from __future__ import annotations
 
-from typing import Sequence
-
 import numpy as np
+import numpy.typing as npt
 
 from ..regions import EngineRegion
 
+Ids = npt.NDArray[np.int64]
+Rows = npt.NDArray[np.uint8]
 
-def gather(region: EngineRegion, engine_blocks: Sequence[int], slots: np.ndarray, rows: Sequence[int]) -> None:
-    """``slots[rows[i]]`` <- every layer's page of engine block ``engine_blocks[i]``."""
-    blocks = np.asarray(engine_blocks, dtype=np.int64)
-    idx = np.asarray(rows, dtype=np.int64)
+
+def gather(region: EngineRegion, engine_blocks: Ids, rows: Rows, picks: Ids) -> None:
+    """``rows[picks[i]]`` <- every layer's page of engine block ``engine_blocks[i]``."""
     page = region.page_bytes
     for layer, view in enumerate(region.layer_views):
-        slots[idx, layer * page:(layer + 1) * page] = view[blocks]
+        rows[picks, layer * page:(layer + 1) * page] = view[engine_blocks]
 
 
-def scatter(slots: np.ndarray, rows: Sequence[int], region: EngineRegion, engine_blocks: Sequence[int]) -> None:
-    """Every layer's page of engine block ``engine_blocks[i]`` <- ``slots[rows[i]]``."""
-    blocks = np.asarray(engine_blocks, dtype=np.int64)
-    idx = np.asarray(rows, dtype=np.int64)
+def scatter(rows: Rows, picks: Ids, region: EngineRegion, engine_blocks: Ids) -> None:
+    """Every layer's page of engine block ``engine_blocks[i]`` <- ``rows[picks[i]]``."""
     page = region.page_bytes
     for layer, view in enumerate(region.layer_views):
-        view[blocks] = slots[idx, layer * page:(layer + 1) * page]
+        view[engine_blocks] = rows[picks, layer * page:(layer + 1) * page]

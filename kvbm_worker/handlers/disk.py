@@ -1,36 +1,41 @@
 """G3 disk I/O: NIXL's POSIX backend, or aligned preadv/pwritev when NIXL cannot load.
 
-Runs in the worker daemon, on its transfer threads (never on the event loop). Every I/O is
-one whole slot (``slot_bytes``, a multiple of 4096) between page-aligned host memory and
-the disk file, so O_DIRECT holds.
+Runs in the worker daemon, on its I/O threads (:mod:`.disk_guard` bounds each call's time;
+never on the event loop). Every I/O is a run of whole slots (multiples of 4096 bytes) between
+page-aligned host memory and the disk file, so O_DIRECT holds.
 """
 from __future__ import annotations
 
 import ctypes
+import importlib
 import logging
 import os
 import threading
 import time
-from typing import Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 log = logging.getLogger("kvbm.worker")
 
 
 class DiskIO(Protocol):
+    """Copies between host memory and the G3 file: entry ``i`` moves ``lengths[i]`` bytes
+    between host address ``addrs[i]`` and file offset ``offsets[i]``; raises ``OSError``
+    (short read or write included) when any entry did not move completely."""
+
     name: str
 
     def register(self, address: int, length: int) -> None:
         """Declare host memory that I/O will read or write (pools, bounce buffers)."""
 
-    def write(self, addrs: Sequence[int], offsets: Sequence[int], length: int) -> None: ...
+    def write(self, addrs: Sequence[int], offsets: Sequence[int], lengths: Sequence[int]) -> None: ...
 
-    def read(self, addrs: Sequence[int], offsets: Sequence[int], length: int) -> None: ...
+    def read(self, addrs: Sequence[int], offsets: Sequence[int], lengths: Sequence[int]) -> None: ...
 
     def close(self) -> None: ...
 
 
 class PosixDiskIO:
-    """pwritev/preadv, one call per slot."""
+    """pwritev/preadv, one call per entry."""
 
     name = "posix-pwritev"
 
@@ -44,26 +49,26 @@ class PosixDiskIO:
     def _view(addr: int, length: int) -> memoryview:
         return memoryview((ctypes.c_char * length).from_address(addr)).cast("B")
 
-    def write(self, addrs: Sequence[int], offsets: Sequence[int], length: int) -> None:
-        for addr, off in zip(addrs, offsets):
-            if os.pwritev(self.fd, [self._view(addr, length)], off) != length:
+    def write(self, addrs: Sequence[int], offsets: Sequence[int], lengths: Sequence[int]) -> None:
+        for addr, off, n in zip(addrs, offsets, lengths):
+            if os.pwritev(self.fd, [self._view(addr, n)], off) != n:
                 raise OSError(f"short write at offset {off}")
 
-    def read(self, addrs: Sequence[int], offsets: Sequence[int], length: int) -> None:
-        for addr, off in zip(addrs, offsets):
-            if os.preadv(self.fd, [self._view(addr, length)], off) != length:
+    def read(self, addrs: Sequence[int], offsets: Sequence[int], lengths: Sequence[int]) -> None:
+        for addr, off, n in zip(addrs, offsets, lengths):
+            if os.preadv(self.fd, [self._view(addr, n)], off) != n:
                 raise OSError(f"short read at offset {off}")
 
     def close(self) -> None:
         pass
 
 
-def _load_nixl():
+def _load_nixl() -> tuple[Callable[..., Any], Callable[..., Any]]:
     try:
-        from nixl_cu13._api import nixl_agent, nixl_agent_config  # the wheel named in the design
+        api = importlib.import_module("nixl_cu13._api")  # the wheel named in the design
     except ImportError:
-        from nixl._api import nixl_agent, nixl_agent_config  # the meta package
-    return nixl_agent, nixl_agent_config
+        api = importlib.import_module("nixl._api")  # the meta package
+    return api.nixl_agent, api.nixl_agent_config
 
 
 class NixlDiskIO:
@@ -86,15 +91,20 @@ class NixlDiskIO:
     def register(self, address: int, length: int) -> None:
         self._regs.append(self.agent.register_memory([(address, length, 0, "")], "DRAM"))
 
-    def _xfer(self, op: str, addrs: Sequence[int], offsets: Sequence[int], length: int) -> None:
+    def _xfer(self, op: str, addrs: Sequence[int], offsets: Sequence[int], lengths: Sequence[int]) -> None:
         if not addrs:
             return
         with self._lock:
-            self._xfer_locked(op, addrs, offsets, length)
+            try:
+                self._xfer_locked(op, addrs, offsets, lengths)
+            except OSError:
+                raise
+            except Exception as exc:  # NIXL's own errors (nixlBackendError on a short read): an I/O error
+                raise OSError(f"NIXL POSIX {op} of {len(addrs)} runs failed: {type(exc).__name__}: {exc}") from exc
 
-    def _xfer_locked(self, op: str, addrs: Sequence[int], offsets: Sequence[int], length: int) -> None:
-        local = self.agent.get_xfer_descs([(a, length, 0) for a in addrs], "DRAM")
-        remote = self.agent.get_xfer_descs([(o, length, self.fd) for o in offsets], "FILE")
+    def _xfer_locked(self, op: str, addrs: Sequence[int], offsets: Sequence[int], lengths: Sequence[int]) -> None:
+        local = self.agent.get_xfer_descs([(a, n, 0) for a, n in zip(addrs, lengths)], "DRAM")
+        remote = self.agent.get_xfer_descs([(o, n, self.fd) for o, n in zip(offsets, lengths)], "FILE")
         handle = self.agent.initialize_xfer(op, local, remote, self.agent_name)
         try:
             state = self.agent.transfer(handle)
@@ -106,11 +116,11 @@ class NixlDiskIO:
         finally:
             self.agent.release_xfer_handle(handle)
 
-    def write(self, addrs: Sequence[int], offsets: Sequence[int], length: int) -> None:
-        self._xfer("WRITE", addrs, offsets, length)
+    def write(self, addrs: Sequence[int], offsets: Sequence[int], lengths: Sequence[int]) -> None:
+        self._xfer("WRITE", addrs, offsets, lengths)
 
-    def read(self, addrs: Sequence[int], offsets: Sequence[int], length: int) -> None:
-        self._xfer("READ", addrs, offsets, length)
+    def read(self, addrs: Sequence[int], offsets: Sequence[int], lengths: Sequence[int]) -> None:
+        self._xfer("READ", addrs, offsets, lengths)
 
     def close(self) -> None:
         for reg in reversed(self._regs):

@@ -11,30 +11,15 @@ import time
 from typing import Callable
 
 import numpy as np
+import numpy.typing as npt
 
 from ..cuda_region import check, cudart
+from ..runs import segments as segments  # re-exported: the merging rule lives in ..runs
 
 log = logging.getLogger("kvbm.worker")
+Addrs = npt.NDArray[np.int64]
 
 PIN_CHUNK = 1 << 30  # cudaHostRegister granularity (progress, timeout)
-
-
-def segments(src: np.ndarray, dst: np.ndarray, unit: int, split: np.ndarray | None = None):
-    """Merge unit-long copies ``src[i] -> dst[i]`` that are adjacent on both sides.
-
-    ``split`` (optional, one id per copy) forbids merging across a change of id (separately
-    pinned host ranges). Returns ``(src_starts, dst_starts, lengths)``.
-    """
-    n = len(src)
-    if n == 0:
-        return src, dst, np.zeros(0, np.int64)
-    brk = np.ones(n, dtype=bool)
-    brk[1:] = (src[1:] != src[:-1] + unit) | (dst[1:] != dst[:-1] + unit)
-    if split is not None:
-        brk[1:] |= split[1:] != split[:-1]
-    starts = np.flatnonzero(brk)
-    lengths = np.diff(np.append(starts, n)).astype(np.int64) * unit
-    return src[starts], dst[starts], lengths
 
 
 class PinnedHost:
@@ -48,7 +33,7 @@ class PinnedHost:
     def __init__(self, device: int) -> None:
         self.device = device
         self.ranges: list[tuple[int, int]] = []
-        self._starts = np.zeros(0, np.int64)
+        self._starts: Addrs = np.zeros(0, np.int64)
 
     def pin(self, address: int, length: int, chunk: int = PIN_CHUNK,
             progress: Callable[[float], None] | None = None, deadline: float | None = None) -> None:
@@ -68,10 +53,10 @@ class PinnedHost:
                                    "init timeout (DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS)")
         self._starts = np.sort(np.array([r[0] for r in self.ranges], np.int64))
 
-    def chunk_ids(self, addrs: np.ndarray) -> np.ndarray:
-        return np.searchsorted(self._starts, addrs, side="right")
+    def chunk_ids(self, addrs: Addrs) -> Addrs:
+        return np.searchsorted(self._starts, addrs, side="right").astype(np.int64)
 
-    def split(self, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray, host: np.ndarray):
+    def split(self, src: Addrs, dst: Addrs, lengths: Addrs, host: Addrs) -> tuple[Addrs, Addrs, Addrs]:
         """Cut runs (``host`` is ``src`` or ``dst``) where they cross from one registration into the next."""
         first = self.chunk_ids(host)
         cross = np.flatnonzero(first != self.chunk_ids(host + lengths - 1))

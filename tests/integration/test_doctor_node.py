@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+from support.fault_env import fault_env
 
 from kvbm_client import sequence_hashes
 from kvbm_client.doctor.machine import meminfo
@@ -106,7 +107,7 @@ def test_hung_leader_fails(make_node) -> None:
 
 
 def test_failed_loads_are_counted(make_node) -> None:
-    node = make_node(KVBM_FAULT_FAIL_LOADS="1")  # test-only fault: every load fails after writing zeros
+    node = make_node(**fault_env(FAIL_LOADS="1"))  # test-only fault: every load fails after writing zeros
     client, _ = node.ready_client()
     keys = sequence_hashes(list(range(2 * 16)), 16)
     client.wait(client.offload(keys, [0, 1]))

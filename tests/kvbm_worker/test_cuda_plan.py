@@ -1,14 +1,16 @@
 """The GPU data path's pure parts, on CPU: run merging, layout description, lazy imports."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from kvbm_client.cuda_export import page_placements
-from kvbm_worker.handlers.pinned import segments
+from kvbm_worker.runs import segments
 
 
 def test_segments_merge_only_runs_adjacent_on_both_sides():
@@ -54,20 +56,18 @@ def test_non_contiguous_page_is_refused():
         page_placements((4, 2, 8), (16, 8, 1), 2, 0, block_dim=1, page_dims=2)
 
 
-CUDA_MODULES = ("torch", "cuda", "kvbm_worker.cuda_region", "kvbm_worker.handlers.cuda")
-
-
 def test_worker_parser_has_gpu_options_and_cpu_import_is_lazy():
     from kvbm_worker.daemon import build_parser
     args = build_parser().parse_args(["--gpu", "0", "--cuda-copy", "gather"])
     assert args.gpu == 0 and args.cuda_copy == "gather"
     assert build_parser().parse_args(["--cpu"]).gpu is None
-    # A fresh interpreter: this one may have imported CUDA modules for other tests.
-    probe = ("import sys\nfrom kvbm_worker.daemon import build_parser\nbuild_parser().parse_args(['--cpu'])\n"
-             f"print(sorted(m for m in sys.modules if m in {CUDA_MODULES!r}))")
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    # a CPU worker imports its whole data path, the CUDA modules included, without CUDA
+    probe = ("import sys, kvbm_worker.daemon, kvbm_worker.service, kvbm_worker.handlers.cuda; "
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'cuda', 'nixl', 'nixl_cu13')))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]", f"a CPU worker imported CUDA modules: {out.stdout.strip()}"
+    assert out.stdout.strip() == "[]", f"imported at start-up: {out.stdout}"
 
 
 def test_runs_are_cut_at_pinned_range_edges():

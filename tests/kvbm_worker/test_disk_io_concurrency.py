@@ -29,13 +29,15 @@ def test_two_lanes_concurrently_move_the_right_bytes(tmp_path, kind: str) -> Non
     src[:] = np.random.default_rng(1).integers(0, 256, src.shape, dtype=np.uint8)
     half = SLOTS // 2
     # The reader's half of the file holds known bytes before the race starts.
-    io.write([src.ctypes.data + s * SLOT for s in range(half, SLOTS)], [s * SLOT for s in range(half, SLOTS)], SLOT)
+    io.write([src.ctypes.data + s * SLOT for s in range(half, SLOTS)], [s * SLOT for s in range(half, SLOTS)],
+             [SLOT] * half)
     errors: list[BaseException] = []
 
     def writer() -> None:
         try:
             for _ in range(200):
-                io.write([src.ctypes.data + s * SLOT for s in range(half)], [s * SLOT for s in range(half)], SLOT)
+                io.write([src.ctypes.data + s * SLOT for s in range(half)], [s * SLOT for s in range(half)],
+                         [SLOT] * half)
         except BaseException as exc:  # pragma: no cover - reported below
             errors.append(exc)
 
@@ -43,7 +45,7 @@ def test_two_lanes_concurrently_move_the_right_bytes(tmp_path, kind: str) -> Non
         try:
             for _ in range(200):
                 io.read([dst.ctypes.data + s * SLOT for s in range(half, SLOTS)],
-                        [s * SLOT for s in range(half, SLOTS)], SLOT)
+                        [s * SLOT for s in range(half, SLOTS)], [SLOT] * half)
         except BaseException as exc:  # pragma: no cover
             errors.append(exc)
 
@@ -54,7 +56,7 @@ def test_two_lanes_concurrently_move_the_right_bytes(tmp_path, kind: str) -> Non
         t.join(120)
     assert not errors, errors
     assert np.array_equal(dst[half:], src[half:])
-    io.read([dst.ctypes.data + s * SLOT for s in range(half)], [s * SLOT for s in range(half)], SLOT)
+    io.read([dst.ctypes.data + s * SLOT for s in range(half)], [s * SLOT for s in range(half)], [SLOT] * half)
     assert np.array_equal(dst[:half], src[:half])
     io.close()
     os.close(fd)

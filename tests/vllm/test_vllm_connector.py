@@ -12,6 +12,7 @@ import time
 import pytest
 
 from conftest import run_engine
+from support.fault_env import fault_env
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -132,7 +133,7 @@ def test_engine_serves_without_kvbm_running(vllm_python, tiny_model, baseline, t
 def test_negative_control_corrupted_loads_change_outputs(vllm_python, tiny_model, baseline, kvbm_node, tmp_path):
     """The comparison can fail: a worker that zeroes what it loads makes the outputs differ, so
     identical outputs above mean the engine's forward pass read the bytes kvbm delivered."""
-    node = kvbm_node(DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS="512", KVBM_FAULT_CORRUPT_LOADS="1")
+    node = kvbm_node(DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS="512", **fault_env(CORRUPT_LOADS="1"))
     result = run_engine(vllm_python, tiny_model, tmp_path / "corrupt.json", "--kvbm", "--rounds", "4", env=node.env)
     assert result["metrics"]["vllm:external_prefix_cache_hits"] > 0
     assert outputs(result) != outputs(baseline)
@@ -141,7 +142,7 @@ def test_negative_control_corrupted_loads_change_outputs(vllm_python, tiny_model
 def test_failed_sync_loads_are_recomputed(vllm_python, tiny_model, baseline, kvbm_node, tmp_path):
     """A synchronous load that fails after the engine counted its tokens as computed (the worker
     writes zeros, then errors) is recomputed by vLLM: the outputs stay the baseline's."""
-    node = kvbm_node(DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS="512", KVBM_FAULT_FAIL_LOADS="1")
+    node = kvbm_node(DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS="512", **fault_env(FAIL_LOADS="1"))
     result = run_engine(vllm_python, tiny_model, tmp_path / "fail.json", "--kvbm", "--rounds", "4",
                         "--kvbm-extra", json.dumps({"load_mode": "sync"}), env=node.env)
     assert outputs(result) == outputs(baseline)

@@ -1,0 +1,286 @@
+"""GPU copies of whole blocks between G1 pages (the engine's KV cache, opened through CUDA IPC)
+and pinned host slots, one CUDA stream per direction.
+
+Runs in the worker daemon (``kvbm-worker --gpu N``) on its two lane threads: stores use the
+D2H stream, loads the H2D stream, so offload and onboard overlap on the two copy engines; a
+lane waits for its own CUDA event, never the event loop.
+
+Mechanisms (``--cuda-copy``, :class:`CopyMechanism`):
+
+* ``runs``: one ``cudaMemcpyAsync`` per contiguous run. Pages that are adjacent on both sides
+  (every layer of a block in a cross-layer layout, consecutive blocks into consecutive slots)
+  are merged first, so a vLLM cross-layer cache moves in >= 2 MiB DMAs.
+* ``batch``: the same runs in one ``cudaMemcpyBatchAsync`` call per 4096 (CUDA >= 12.8).
+* ``gather``: pages gathered on the GPU (``index_select``) into a staging buffer, then one DMA
+  per contiguous slot run (loads: DMA then ``index_copy_``). Uses SMs briefly; needs every
+  layer's offset and stride to be multiples of the page size.
+* ``auto`` (the default): ``batch`` where the CUDA runtime has it; else ``runs`` when the runs
+  of a batch average at least 256 KiB (or the layout cannot be gathered), else ``gather``.
+
+Everything CUDA is imported lazily: this module imports on a machine without CUDA.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+from typing import Any, Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from ..cuda_region import CudaEngineRegion, CudaError, check, cudart
+from ..id_arrays import EngineBlocks
+from ..runs import segments
+from .pinned import PinnedHost
+
+log = logging.getLogger("kvbm.worker")
+
+Addrs = npt.NDArray[np.int64]
+STAGING_BYTES = 128 << 20  # per direction, on the GPU
+BATCH_MAX = 4096  # copies per cudaMemcpyBatchAsync call
+AUTO_DMA_MIN_BYTES = 256 << 10  # auto: runs at least this long on average go straight to DMA
+
+
+class Direction(str, enum.Enum):
+    D2H = "d2h"  # G1 -> host (stores)
+    H2D = "h2d"  # host -> G1 (loads)
+
+
+class CopyMechanism(str, enum.Enum):
+    """``--cuda-copy``; see the module docstring."""
+
+    AUTO = "auto"
+    RUNS = "runs"
+    BATCH = "batch"
+    GATHER = "gather"
+
+
+MECHANISMS = tuple(m.value for m in CopyMechanism)
+
+
+def _event() -> Any:
+    """A new CUDA event (torch's constructor is untyped)."""
+    import torch
+    new: Any = torch.cuda.Event
+    return new()
+
+
+class GatherViews:
+    """Page-granular views of a region's buffers, for the gather mechanism (``ok`` is False
+    when a layer's offset or stride is not a multiple of the page size)."""
+
+    def __init__(self, region: CudaEngineRegion) -> None:
+        import torch
+        p = region.page_bytes
+        self.wide = p % 8 == 0 and all(ptr % 8 == 0 for ptr in region.buffer_ptrs)
+        self.groups: list[tuple[npt.NDArray[np.int64], Any]] = []  # (layer indices, pages view)
+        offsets = np.array([ls.offset_bytes for ls in region.layers], np.int64)
+        by_buffer: dict[int, list[int]] = {}
+        for i, ls in enumerate(region.layers):
+            by_buffer.setdefault(ls.buffer_index, []).append(i)
+        self.ok = bool(np.all(offsets % p == 0) and np.all(region.layer_stride % p == 0))
+        self.page_offset = offsets // p
+        self.page_stride = region.layer_stride // p
+        self.single = False
+        if not self.ok:
+            return
+        for b, layer_ids in by_buffer.items():
+            buf = region.buffers[b]
+            pages = buf[:(buf.numel() // p) * p].view(-1, p)
+            self.groups.append((np.array(layer_ids, np.int64), pages.view(torch.int64) if self.wide else pages))
+        self.single = len(self.groups) == 1 and np.array_equal(self.groups[0][0], np.arange(region.num_layers))
+
+
+class CudaCopier:
+    """Moves whole blocks between G1 pages and host slots (any pinned address), one stream per direction.
+
+    Owns the streams and the GPU staging buffers. ``copy`` returns the CUDA event that marks
+    completion (waited for when ``wait``).
+    """
+
+    def __init__(self, device: int, pinned: PinnedHost, mechanism: str = CopyMechanism.AUTO,
+                 staging_bytes: int = STAGING_BYTES) -> None:
+        import torch
+        if mechanism not in MECHANISMS:
+            raise ValueError(f"unknown copy mechanism {mechanism!r}; one of {', '.join(MECHANISMS)}")
+        self.device, self.pinned, self.mechanism = device, pinned, CopyMechanism(mechanism)
+        self.staging_bytes = staging_bytes
+        stream: Any = torch.cuda.Stream  # (untyped constructor)
+        self.streams = {d: stream(device=device) for d in Direction}
+        self._staging: dict[Direction, Any] = {}
+        self._views: dict[str, GatherViews] = {}
+        self._batch_ok: bool | None = None
+        self.last_mechanism = ""
+        rt = cudart()
+        self._attr = None
+        if hasattr(rt, "cudaMemcpyBatchAsync"):
+            attr = rt.cudaMemcpyAttributes()
+            attr.srcAccessOrder = rt.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
+            attr.flags = rt.cudaMemcpyFlags.cudaMemcpyFlagPreferOverlapWithCompute
+            self._attr = attr
+        else:
+            self._batch_ok = False
+
+    def warm(self, direction: str, host_src: int | None = None, nbytes: int = 4 << 20) -> None:
+        """One copy in ``direction`` on its stream, with the mechanism real copies use, on the
+        calling thread (a lane's), so per-thread first-use costs are paid at start. A precaution:
+        the first-load delay measured on the H100 (2026-11-22) turned out to be the event loop
+        (``np.unique``'s first call, see ``plan_check._has_duplicates``); this warm-up's own effect
+        was not measured apart. ``host_src``: pinned bytes to read for H2D (never written)."""
+        import torch
+        direction = Direction(direction)
+        torch.cuda.set_device(self.device)
+        check(cudart().cudaSetDevice(self.device), "cudaSetDevice")
+        stream = self.streams[direction]
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            dev = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{self.device}")
+            host = None
+            if direction is Direction.D2H or host_src is None:
+                host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+                host_src = host.data_ptr()
+            half = nbytes // 2
+            h, d = np.array([host_src, host_src + half]), np.array([dev.data_ptr(), dev.data_ptr() + half])
+            src, dst = (d, h) if direction is Direction.D2H else (h, d)
+            self._issue(src, dst, np.array([half, half]),
+                        CopyMechanism.BATCH if self._attr is not None else CopyMechanism.RUNS, stream)
+            event = _event()
+            event.record(stream)
+            event.synchronize()
+            del host, dev
+
+    # ------------------------------------------------------------------ entry
+    def copy(self, direction: str, region: CudaEngineRegion, blocks: Sequence[int] | Addrs, host_addrs: Addrs,
+             wait: bool = True, mechanism: str | None = None) -> Any:
+        """``direction`` D2H: every layer's page of ``blocks[i]`` -> ``host_addrs[i]`` (slot layout,
+        layer by layer); H2D: the reverse. Returns the CUDA event of completion."""
+        import torch
+        direction = Direction(direction)
+        ids = EngineBlocks(np.asarray(blocks, dtype=np.int64))
+        host_addrs = np.asarray(host_addrs, dtype=np.int64)
+        stream = self.streams[direction]
+        mech = self._choose(region, ids, host_addrs, CopyMechanism(mechanism or self.mechanism))
+        self.last_mechanism = mech.value
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            if mech is CopyMechanism.GATHER:
+                self._gather(direction, region, ids, host_addrs, stream)
+            else:
+                src, dst = self._pages(direction, region, ids, host_addrs)
+                self._dma(src, dst, region.page_bytes, direction is Direction.H2D, mech, stream)
+            event = _event()
+            event.record(stream)
+        if wait:
+            event.synchronize()
+        return event
+
+    def _choose(self, region: CudaEngineRegion, blocks: EngineBlocks, host_addrs: Addrs,
+                mech: CopyMechanism) -> CopyMechanism:
+        if mech is CopyMechanism.GATHER and not self._gather_views(region).ok:
+            mech = CopyMechanism.AUTO
+        if mech is not CopyMechanism.AUTO:
+            return CopyMechanism.RUNS if mech is CopyMechanism.BATCH and self._batch_ok is False else mech
+        # NOTE: measured on H100 (README): the batch API matches the gather kernel's bandwidth on
+        # 32 KiB pages and slows a concurrent matmul by ~1 % where the gather kernel costs 13-21 %,
+        # so gather is only the fallback for small runs when the batch API is missing.
+        if self._batch_ok is not False:
+            return CopyMechanism.BATCH
+        src, dst = self._pages(Direction.D2H, region, EngineBlocks(blocks[:64]), host_addrs[:64])
+        _, _, lengths = segments(src, dst, region.page_bytes)
+        if lengths.mean() >= AUTO_DMA_MIN_BYTES or not self._gather_views(region).ok:
+            return CopyMechanism.RUNS
+        return CopyMechanism.GATHER
+
+    # ------------------------------------------------------------------ direct DMA
+    @staticmethod
+    def _pages(direction: Direction, region: CudaEngineRegion, blocks: EngineBlocks, host_addrs: Addrs
+               ) -> tuple[Addrs, Addrs]:
+        g1 = region.page_addresses(blocks).ravel()
+        host = (host_addrs[:, None] + np.arange(region.num_layers, dtype=np.int64)[None, :] * region.page_bytes).ravel()
+        return (g1, host) if direction is Direction.D2H else (host, g1)
+
+    def _dma(self, src: Addrs, dst: Addrs, unit: int, host_is_src: bool, mech: CopyMechanism, stream: Any) -> None:
+        """Merge adjacent copies, never across (nor, after ``split``, through) a pinned-range edge; issue."""
+        host = src if host_is_src else dst
+        s, d, n = segments(src, dst, unit, self.pinned.chunk_ids(host))
+        self._issue(*self.pinned.split(s, d, n, s if host_is_src else d), mech, stream)
+
+    def _issue(self, src: Addrs, dst: Addrs, lengths: Addrs, mech: CopyMechanism, stream: Any) -> None:
+        rt = cudart()
+        handle = stream.cuda_stream
+        if mech is CopyMechanism.BATCH and self._batch_ok is not False:
+            try:
+                for i in range(0, len(src), BATCH_MAX):
+                    d, s, n = dst[i:i + BATCH_MAX].tolist(), src[i:i + BATCH_MAX].tolist(), \
+                        lengths[i:i + BATCH_MAX].tolist()
+                    check(rt.cudaMemcpyBatchAsync(d, s, n, len(d), [self._attr], [0], 1, handle),
+                          "cudaMemcpyBatchAsync")
+                self._batch_ok = True
+                return
+            except (CudaError, TypeError) as exc:
+                if self._batch_ok:
+                    raise
+                self._batch_ok = False  # the copies are idempotent: issue them again one by one
+                log.warning("cudaMemcpyBatchAsync unusable (%s); using one cudaMemcpyAsync per run", exc)
+        kind, ok, memcpy = rt.cudaMemcpyKind.cudaMemcpyDefault, rt.cudaError_t.cudaSuccess, rt.cudaMemcpyAsync
+        for d, s, n in zip(dst.tolist(), src.tolist(), lengths.tolist()):
+            err = memcpy(d, s, n, kind, handle)[0]
+            if err != ok:
+                raise CudaError(f"cudaMemcpyAsync({n} bytes): {getattr(err, 'name', err)}")
+
+    # ------------------------------------------------------------------ gather / scatter
+    def _gather_views(self, region: CudaEngineRegion) -> GatherViews:
+        views = self._views.get(region.region_id)
+        if views is None:
+            views = GatherViews(region)
+            self._views = {region.region_id: views}  # one region at a time
+        return views
+
+    def _stage(self, direction: Direction, nbytes: int) -> Any:
+        import torch
+        buf = self._staging.get(direction)
+        if buf is None or buf.numel() < nbytes:
+            buf = self._staging[direction] = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{self.device}")
+        return buf
+
+    def _gather(self, direction: Direction, region: CudaEngineRegion, blocks: EngineBlocks, host_addrs: Addrs,
+                stream: Any) -> None:
+        import torch
+        views = self._gather_views(region)
+        region.check_blocks(blocks)  # the page indices below address the region's buffers
+        nl, p = region.num_layers, region.page_bytes
+        block_bytes = nl * p
+        per = max(1, min(len(blocks), self.staging_bytes // block_bytes))
+        stage = self._stage(direction, per * block_bytes)
+        dev = stage.device
+        # every index the batch needs, uploaded once (a pageable upload syncs the stream: do it first)
+        idx = [torch.from_numpy((views.page_offset[ids][None, :] + blocks[:, None] * views.page_stride[ids][None, :])
+                                .ravel()).to(dev) for ids, _ in views.groups]
+        rows = [] if views.single else [
+            torch.from_numpy((np.arange(len(blocks))[:, None] * nl + ids[None, :]).ravel()).to(dev)
+            for ids, _ in views.groups]
+        for start in range(0, len(blocks), per):
+            m = min(per, len(blocks) - start)
+            sp = stage[:m * block_bytes].view(m * nl, p)
+            sp = sp.view(torch.int64) if views.wide else sp
+            stage_addrs = stage.data_ptr() + np.arange(m, dtype=np.int64) * block_bytes
+            hosts = host_addrs[start:start + m]
+            if direction is Direction.H2D:
+                self._dma(hosts, stage_addrs, block_bytes, True, CopyMechanism.BATCH, stream)
+            for g, (ids, pages) in enumerate(views.groups):
+                lo, hi = start * len(ids), (start + m) * len(ids)
+                if direction is Direction.D2H:
+                    if views.single:
+                        torch.index_select(pages, 0, idx[g][lo:hi], out=sp)
+                    else:
+                        sp.index_copy_(0, rows[g][lo:hi] - start * nl, pages.index_select(0, idx[g][lo:hi]))
+                elif views.single:
+                    pages.index_copy_(0, idx[g][lo:hi], sp)
+                else:
+                    pages.index_copy_(0, idx[g][lo:hi], sp.index_select(0, rows[g][lo:hi] - start * nl))
+            if direction is Direction.D2H:
+                self._dma(stage_addrs, hosts, block_bytes, False, CopyMechanism.BATCH, stream)
+
+    def close(self) -> None:
+        for stream in self.streams.values():
+            stream.synchronize()
+        self._staging.clear()
+        self._views.clear()

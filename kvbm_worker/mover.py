@@ -1,0 +1,375 @@
+"""The copy executor: moves the bytes of checked batches between the engine region, G2 (host
+slots) and G3 (the disk file, through a bounce buffer), verifying G3 (and optionally G2).
+
+Runs in the worker daemon; :meth:`BlockMover.run` is synchronous and is called on a lane
+thread (:mod:`.lanes`). A template: this class does the tier split, demotions, promotions,
+the bounce-buffer pipeline to and from disk, checksums and time checks; a medium supplies
+how engine pages reach slot rows (:meth:`_to_slots` / :meth:`_from_slots`, here numpy on a
+CPU engine's shared memory; :class:`~.handlers.cuda.CudaMover` for CUDA IPC regions).
+
+Order within a batch: demotions, promotions, then the entries (a STORE may reuse the host
+slot of a block it first demotes to disk).
+
+Integrity (every G3 slot; G2 slots with ``host_checksums``): a slot's xxh3-64 is computed
+on the lane from the bytes written (:mod:`.checksums`) and checked after every read, before
+the bytes reach the engine or G2; a mismatch or a failed read raises
+:class:`~.errors.SlotsFailed` naming the slots.
+
+Time (``until``: the job's deadline plus part of the leader's grace, after which the leader
+may hand the job's slots to another block): checked before every chunk is written and after
+a load read its sources, so a late copy stops instead of landing in a reused slot
+(:class:`~.errors.CopyExpired`).
+"""
+from __future__ import annotations
+
+import mmap
+import time
+from typing import Callable, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from kvbm_client.ids import PlanKind, Tier
+
+from .checksums import SlotSums, digest
+from .errors import CopyExpired, SlotsFailed
+from .handlers import cpu
+from .handlers.disk_guard import DiskHung, DiskTimeout, TimedDiskIO
+from .id_arrays import EngineBlocks, Slots
+from .lanes import Lane
+from .plan_check import Batch
+from .pools import DiskPool, HostPool
+from .regions import EngineRegion
+from .runs import chunks, segments
+
+Ids = npt.NDArray[np.int64]
+Rows = npt.NDArray[np.uint8]
+HOST_CHUNK_BYTES = 256 << 20  # engine <-> G2 copies are cut here, to check the time in between
+
+
+class Pending(Protocol):
+    """A copy a medium started; ``wait()`` returns once its bytes arrived."""
+
+    def wait(self) -> None: ...
+
+
+class Done:
+    """A copy that completed when it was issued (the CPU medium)."""
+
+    def wait(self) -> None:
+        pass
+
+
+DONE = Done()
+
+
+class BounceBuffer:
+    """Page-aligned staging rows for one lane's disk I/O of engine pages, used in two halves:
+    chunk ``k`` takes half ``k % 2``, so the engine copy of one chunk overlaps the disk I/O of
+    the other (with one row there is one half and no overlap)."""
+
+    def __init__(self, slot_bytes: int, num_rows: int) -> None:
+        self._mmap = mmap.mmap(-1, slot_bytes * num_rows)
+        self.slots: Rows = np.frombuffer(self._mmap, dtype=np.uint8).reshape(num_rows, slot_bytes)
+        self.num_rows = num_rows
+
+    @property
+    def overlaps(self) -> bool:
+        return self.num_rows >= 2
+
+    @property
+    def per_chunk(self) -> int:
+        return max(1, self.num_rows // 2)
+
+    def rows(self, chunk: int, count: int) -> Ids:
+        first = (chunk % 2) * self.per_chunk if self.overlaps else 0
+        return first + np.arange(count, dtype=np.int64)
+
+    def address(self, rows: Ids) -> Ids:
+        addrs: Ids = self.slots.ctypes.data + rows * self.slots.shape[1]
+        return addrs
+
+    def close(self) -> None:
+        self.slots = np.zeros((0, 0), np.uint8)
+        try:
+            self._mmap.close()
+        except BufferError:  # a stuck disk call still holds the rows: unmapped when it returns
+            pass
+
+
+class BlockMover:
+    """Moves bytes for one worker's pools (one pool epoch). Owns the bounce buffers and the
+    checksum tables; borrows the pools and the disk I/O (the caller closes those).
+
+    Args:
+        host, disk: the G2 and G3 pools (None when the tier is off).
+        disk_io: timed G3 I/O (None without G3).
+        host_checksums: also checksum G2 slots (``DYN_KVBM_HOST_CHECKSUMS``).
+        clock: CLOCK_MONOTONIC (injectable for tests).
+    """
+
+    def __init__(self, host: HostPool | None, disk: DiskPool | None, disk_io: TimedDiskIO | None, *,
+                 host_checksums: bool = False, bounce_slots: int = 64,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.host, self.disk, self.disk_io = host, disk, disk_io
+        self.clock = clock
+        self.bounce: dict[Lane, BounceBuffer] = {}
+        self.disk_sums = SlotSums(disk.geometry.num_slots, disk.geometry.block_bytes) if disk else None
+        self.host_sums = SlotSums(host.geometry.num_slots, host.geometry.block_bytes) \
+            if host is not None and host_checksums else None
+        if disk is not None and disk_io is not None:
+            n = max(1, min(bounce_slots, disk.geometry.num_slots))
+            for lane in Lane:
+                buf = self.bounce[lane] = BounceBuffer(disk.geometry.slot_bytes, n)
+                disk_io.register(buf.slots.ctypes.data, buf.slots.nbytes)
+            if host is not None:
+                disk_io.register(host.address, host.buffer.nbytes)
+
+    def renew(self) -> None:
+        """The pools' contents are void (a new epoch with the same geometry)."""
+        for sums in (self.disk_sums, self.host_sums):
+            if sums is not None:
+                sums.reset()
+
+    def warm_lane(self, lane: Lane) -> None:
+        """Called once on each lane thread before the first job: pay per-thread first-use costs
+        there, not in a user's request. Nothing to do on the CPU."""
+
+    # ------------------------------------------------------------------ medium hooks
+    def _enter_lane(self, region: EngineRegion | None) -> None:
+        """Per-batch set-up on the lane thread (a CUDA device)."""
+
+    def _to_slots(self, region: EngineRegion, blocks: EngineBlocks, rows: Rows, picks: Ids) -> Pending:
+        """``rows[picks[i]]`` <- every layer's page of engine block ``blocks[i]``."""
+        cpu.gather(region, blocks, rows, picks)
+        return DONE
+
+    def _from_slots(self, region: EngineRegion, blocks: EngineBlocks, rows: Rows, picks: Ids) -> Pending:
+        """Every layer's page of engine block ``blocks[i]`` <- ``rows[picks[i]]``."""
+        cpu.scatter(rows, picks, region, blocks)
+        return DONE
+
+    # ------------------------------------------------------------------ the template
+    def run(self, batch: Batch, region: EngineRegion | None, until: float) -> int:
+        """Execute ``batch``; returns the bytes moved. Raises :class:`SlotsFailed`,
+        :class:`CopyExpired`, ``OSError`` (disk) or the medium's errors."""
+        self._enter_lane(region)
+        moved = self._demote(batch, until) + self._promote(batch, until)
+        if batch.kind in (PlanKind.DEMOTE, PlanKind.PROMOTE):
+            return moved
+        assert region is not None
+        region.check_blocks(batch.engine_blocks)
+        for tier in (Tier.HOST, Tier.DISK):
+            blocks, slots = batch.entries(tier)
+            if not len(blocks):
+                continue
+            if tier is Tier.HOST:
+                self._engine_host(batch.kind, region, blocks, slots, until)
+            elif batch.kind is PlanKind.STORE:
+                self._store_disk(region, blocks, slots, until)
+            else:
+                self._load_disk(region, blocks, slots, until)
+            moved += len(blocks) * region.block_bytes
+        return moved
+
+    def _check_time(self, until: float) -> None:
+        late = self.clock() - until
+        if late >= 0:
+            raise CopyExpired(f"the copy is {late * 1e3:.0f} ms past the point where the leader may reuse "
+                              "its slots; stopped")
+
+    def _pool(self) -> HostPool:
+        assert self.host is not None, "a plan names G2 on a worker without G2"
+        return self.host
+
+    def _sums(self) -> SlotSums:
+        assert self.disk_sums is not None, "a plan names G3 on a worker without G3"
+        return self.disk_sums
+
+    @staticmethod
+    def _verify(sums: SlotSums, tier: Tier, slots: Slots, rows: Rows, picks: Ids) -> npt.NDArray[np.uint64]:
+        bad, computed = sums.verify(slots, rows, picks)
+        if bad.size:
+            raise SlotsFailed(tier, bad.tolist(), "checksum mismatch")
+        return computed
+
+    # ------------------------------------------------------------------ engine <-> G2
+    def _engine_host(self, kind: PlanKind, region: EngineRegion, blocks: EngineBlocks, slots: Slots,
+                     until: float) -> None:
+        """Chunk k+1 is issued while chunk k is in flight (an asynchronous medium keeps its copy
+        queue busy); the time is checked before each chunk is issued."""
+        host, sums = self._pool(), self.host_sums
+        issued: list[Pending] = []
+        in_flight: tuple[Pending, Slots] | None = None
+
+        def settle(copy: Pending, to: Slots) -> None:
+            copy.wait()
+            if sums is not None and kind is PlanKind.STORE:
+                sums.seal(to, host.slots, to)
+
+        try:
+            for lo, hi in chunks(len(blocks), HOST_CHUNK_BYTES // region.block_bytes):
+                self._check_time(until)
+                b, s = EngineBlocks(blocks[lo:hi]), Slots(slots[lo:hi])
+                if kind is PlanKind.STORE:
+                    if sums is not None:
+                        sums.forget(s)
+                    issued.append(self._to_slots(region, b, host.slots, s))
+                else:
+                    if sums is not None:
+                        self._verify(sums, Tier.HOST, s, host.slots, s)
+                    issued.append(self._from_slots(region, b, host.slots, s))
+                if in_flight is not None:
+                    settle(*in_flight)
+                in_flight = (issued[-1], s)
+            if in_flight is not None:
+                settle(*in_flight)
+        finally:
+            for copy in issued:  # nothing may still be copying once the job is answered
+                copy.wait()
+        if kind is PlanKind.LOAD:
+            self._check_time(until)  # the source slots were still ours while they were read
+
+    # ------------------------------------------------------------------ G3 I/O
+    def _disk_io(self) -> TimedDiskIO:
+        assert self.disk_io is not None and self.disk is not None, "a plan names G3 on a worker without G3"
+        return self.disk_io
+
+    def _disk_runs(self, addrs: Ids, slots: Slots) -> tuple[list[int], list[int], list[int]]:
+        """Consecutive slots at consecutive addresses become one I/O."""
+        assert self.disk is not None
+        unit = self.disk.geometry.slot_bytes
+        a, o, n = segments(addrs, slots * unit, unit)
+        return a.tolist(), o.tolist(), n.tolist()
+
+    def _write_disk(self, addrs: Ids, slots: Slots, sums: npt.NDArray[np.uint64], hold: object) -> None:
+        """Write host memory at ``addrs`` to G3 ``slots``; their checksums are ``sums`` once written."""
+        table = self._sums()
+        table.forget(slots)
+        self._disk_io().write(*self._disk_runs(addrs, slots), hold=hold)
+        table.record(slots, sums)
+
+    def _read_rows(self, bounce: BounceBuffer, rows: Ids, slots: Slots) -> npt.NDArray[np.uint64]:
+        """Read G3 ``slots`` into ``bounce`` rows and verify them; returns their checksums."""
+        try:
+            self._disk_io().read(*self._disk_runs(bounce.address(rows), slots), hold=bounce.slots)
+        except DiskTimeout as exc:
+            raise SlotsFailed(Tier.DISK, slots.tolist(), f"could not be read: {exc}") from None
+        except DiskHung:
+            raise  # nothing was read: the slots are not at fault
+        except OSError as exc:
+            raise SlotsFailed(Tier.DISK, self._unreadable(bounce, rows, slots), f"could not be read: {exc}") from None
+        return self._verify(self._sums(), Tier.DISK, slots, bounce.slots, rows)
+
+    def _unreadable(self, bounce: BounceBuffer, rows: Ids, slots: Slots) -> list[int]:
+        """After a failed read of several slots (e.g. a short read of a truncated file): the
+        slots that cannot be read one by one or fail their checksum, so that only their copies
+        are dropped (all of ``slots`` if the disk fails every one)."""
+        bad: list[int] = []
+        for i in range(len(slots)):
+            one, row = Slots(slots[i:i + 1]), rows[i:i + 1]
+            try:
+                self._disk_io().read(*self._disk_runs(bounce.address(row), one), hold=bounce.slots)
+            except DiskHung:
+                raise
+            except OSError:
+                bad.append(int(one[0]))
+                continue
+            mismatched, _ = self._sums().verify(one, bounce.slots, row)
+            bad.extend(int(s) for s in mismatched)
+        return bad or slots.tolist()
+
+    def _store_disk(self, region: EngineRegion, blocks: EngineBlocks, slots: Slots, until: float) -> None:
+        """The engine copy of chunk k+1 (into one bounce half) overlaps the disk write of chunk k."""
+        self._disk_io().check()  # a stuck call may still use the bounce rows
+        bounce = self.bounce[Lane.STORE]
+        issued: list[Pending] = []
+        pending: tuple[Pending, Ids, Slots] | None = None
+
+        def write_out(copy: Pending, rows: Ids, to: Slots) -> None:
+            copy.wait()
+            self._check_time(until)
+            sums = digest(bounce.slots, rows, self._sums().block_bytes)
+            self._write_disk(bounce.address(rows), to, sums, bounce.slots)
+
+        try:
+            for k, (lo, hi) in enumerate(chunks(len(blocks), bounce.per_chunk)):
+                rows = bounce.rows(k, hi - lo)
+                if pending is not None and not bounce.overlaps:
+                    write_out(*pending)
+                    pending = None
+                issued.append(self._to_slots(region, EngineBlocks(blocks[lo:hi]), bounce.slots, rows))
+                if pending is not None:
+                    write_out(*pending)
+                pending = (issued[-1], rows, Slots(slots[lo:hi]))
+            if pending is not None:
+                write_out(*pending)
+        finally:
+            for copy in issued:  # no engine copy may still write a bounce row after we return
+                copy.wait()
+
+    def _load_disk(self, region: EngineRegion, blocks: EngineBlocks, slots: Slots, until: float) -> None:
+        """The disk read (and check) of chunk k+1 overlaps the engine copy of chunk k."""
+        self._disk_io().check()
+        bounce = self.bounce[Lane.LOAD]
+        inflight: list[Pending | None] = [None, None]
+        try:
+            for k, (lo, hi) in enumerate(chunks(len(blocks), bounce.per_chunk)):
+                for half in ((k % 2,) if bounce.overlaps else (0, 1)):
+                    copy = inflight[half]
+                    if copy is not None:
+                        copy.wait()
+                        inflight[half] = None
+                rows = bounce.rows(k, hi - lo)
+                self._check_time(until)
+                self._read_rows(bounce, rows, Slots(slots[lo:hi]))
+                inflight[k % 2] = self._from_slots(region, EngineBlocks(blocks[lo:hi]), bounce.slots, rows)
+        finally:
+            for copy in inflight:
+                if copy is not None:
+                    copy.wait()
+        self._check_time(until)
+
+    # ------------------------------------------------------------------ G2 <-> G3
+    def _demote(self, batch: Batch, until: float) -> int:
+        """G2 -> G3, straight from the host slots (verified first with host checksums)."""
+        if not len(batch.demote_host):
+            return 0
+        self._disk_io().check()
+        host, per = self._pool(), self.bounce[batch.lane].per_chunk
+        for lo, hi in chunks(len(batch.demote_host), per):
+            self._check_time(until)
+            h, d = Slots(batch.demote_host[lo:hi]), Slots(batch.demote_disk[lo:hi])
+            if self.host_sums is not None:
+                sums = self._verify(self.host_sums, Tier.HOST, h, host.slots, h)
+            else:
+                sums = digest(host.slots, h, self._sums().block_bytes)
+            self._write_disk(host.address + h * host.geometry.slot_bytes, d, sums, host.buffer)
+        return len(batch.demote_host) * host.geometry.block_bytes
+
+    def _promote(self, batch: Batch, until: float) -> int:
+        """G3 -> G2 through the lane's bounce rows: verified before a byte reaches G2.
+
+        NOTE: not straight into the host slots: a read that never returns could then write a
+        slot after the leader gave it to another block."""
+        if not len(batch.promote_host):
+            return 0
+        self._disk_io().check()
+        host, bounce = self._pool(), self.bounce[batch.lane]
+        assert host.geometry.slot_bytes == bounce.slots.shape[1]
+        for k, (lo, hi) in enumerate(chunks(len(batch.promote_host), bounce.per_chunk)):
+            self._check_time(until)
+            h, d = Slots(batch.promote_host[lo:hi]), Slots(batch.promote_disk[lo:hi])
+            rows = bounce.rows(k, hi - lo)
+            sums = self._read_rows(bounce, rows, d)
+            if self.host_sums is not None:
+                self.host_sums.forget(h)
+            host.slots[h] = bounce.slots[rows]
+            if self.host_sums is not None:
+                self.host_sums.record(h, sums)
+        return len(batch.promote_host) * host.geometry.block_bytes
+
+    def close(self) -> None:
+        for buf in self.bounce.values():
+            buf.close()
+        self.bounce.clear()

@@ -1,0 +1,253 @@
+"""Transfer and command jobs of one worker, from a checked plan to the leader's report.
+
+Runs in the worker daemon, on its event loop (copies on the lanes). Decides ``Transfer`` and
+``Command`` for every transport; raises :class:`~.errors.PlanRejected` (nothing moved) or
+:class:`~.errors.JobFailed` (the job's outcome), which the transports map.
+
+A job, once:
+
+1. :mod:`.plan_check` (signature, epoch, ranges) and, for a new job, its deadline;
+2. a place in its lane (:class:`~.lanes.Lanes`, bounded: RESOURCE_EXHAUSTED);
+3. the leader's go (``StartTransfer``: a released, expired or settled job stops here);
+4. on the lane, right before the first byte: its deadline again, and the pool epoch;
+5. the copy (:class:`~.mover.BlockMover`), which stops at the point where the leader may
+   reuse the job's slots (deadline + half the leader's grace);
+6. the report to the leader (``CompleteTransfer``, with the slots that failed verification).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import grpc
+
+from kvbm_client.contract import pb
+from kvbm_client.ids import JobId, PlanKind, SlotId, Tier, WorkerId
+from kvbm_client.security import NodeKey, sign_ack
+
+from .allocation import PoolAllocator
+from .errors import CopyExpired, CopyFailed, JobFailed, PlanRejected, Refusal, SlotsFailed
+from .handlers.disk_guard import DiskHung
+from .jobs import Job, JobTable, Moved
+from .lanes import LaneFull, Lanes, LateStart, Ticket
+from .mover import BlockMover
+from .plan_check import Batch, check_command, check_not_late, check_transfer
+from .region_registry import RegionRegistry
+from .regions import EngineRegion
+
+log = logging.getLogger("kvbm.worker")
+Code = grpc.StatusCode
+#: NOTE: a copy stops at deadline + GRACE_SHARE x the leader's grace: the leader keeps a job's
+#: slots until deadline + grace, and a copy must not outlive that (the rest is margin).
+GRACE_SHARE = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class JobReport:
+    """A worker's word on one job (``CompleteTransferRequest``)."""
+
+    job_id: JobId
+    ok: bool
+    error: str = ""
+    moved: int = 0
+    seconds: float = 0.0
+    bad_disk_slots: tuple[SlotId, ...] = ()
+    bad_host_slots: tuple[SlotId, ...] = ()
+
+
+class LeaderGate(Protocol):
+    """What the runner needs of the leader link (:class:`kvbm_worker.leader_link.LeaderLink`)."""
+
+    @property
+    def plan_key(self) -> bytes | None:
+        """The current leader's plan key; None while not attached."""
+
+    @property
+    def grace(self) -> float:
+        """Seconds the leader keeps a job's slots after its deadline."""
+
+    async def start_job(self, job_id: JobId, epoch: int) -> float:
+        """The leader's go for a new job: its deadline; raises :class:`JobFailed` if not live."""
+
+    async def report(self, report: JobReport) -> bool:
+        """Send a report; whether the leader accepted it."""
+
+
+@dataclass
+class Counters:
+    """The worker's counters (``WorkerStatusResponse.counters``)."""
+
+    values: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
+        ("bytes_stored", "bytes_loaded", "bytes_demoted", "bytes_promoted", "jobs_ok", "jobs_failed", "jobs_joined",
+         "jobs_late", "jobs_refused_busy", "corrupt_disk_slots", "corrupt_host_slots"), 0.0))
+
+    def add(self, name: str, amount: float = 1) -> None:
+        self.values[name] += amount
+
+
+class JobRunner:
+    """Runs the jobs of one worker (see the module docstring). Owns the job table and the
+    counters; borrows the lanes, the region registry, the pools and the leader gate."""
+
+    def __init__(self, worker_id: WorkerId, lanes: Lanes, regions: RegionRegistry, pools: PoolAllocator,
+                 gate: LeaderGate, node_key: NodeKey) -> None:
+        self.worker_id = worker_id
+        self.lanes, self.regions, self.pools, self.gate = lanes, regions, pools, gate
+        self.node_key = node_key
+        self.counters = Counters()
+        self.closing = False
+        self._jobs = JobTable()
+        self._reports: set[asyncio.Task[bool]] = set()
+
+    def _guard(self) -> None:
+        if self.closing:
+            raise PlanRejected(Code.UNAVAILABLE, "worker is shutting down")
+
+    def _admit(self, batch: Batch) -> Ticket:
+        try:
+            return self.lanes.admit(batch.lane, f"job {batch.job_id} {batch.kind.name.lower()}")
+        except LaneFull as exc:
+            self.counters.add("jobs_refused_busy")
+            raise PlanRejected(Code.RESOURCE_EXHAUSTED, f"job {batch.job_id}: {exc}", batch.job_id) from None
+
+    # ------------------------------------------------------------------ Transfer
+    async def transfer(self, request: "pb.TransferRequest") -> "pb.TransferResponse":
+        received = time.perf_counter()
+        transit = max(0.0, time.time() - request.sent_at) if request.sent_at else 0.0
+        self._guard()
+        region = self.regions.get(request.region_id)
+        if region is None:
+            raise PlanRejected(Code.NOT_FOUND, f"unknown region {request.region_id!r}")
+        batch = check_transfer(request.plan, self.gate.plan_key, self.pools.current, region, request.engine_blocks)
+        kind = batch.kind.name.lower()
+        job = self._jobs.get(batch.job)
+        joined = job is not None
+        if job is None:
+            check_not_late(batch, time.monotonic())
+            ticket = self._admit(batch)
+            task = asyncio.ensure_future(self._run_job(batch, region, ticket))
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # outcome read by the callers
+            job = self._jobs.add(Job(batch.job, region.region_id, batch.engine_blocks, batch.deadline, task),
+                                 time.monotonic())
+            log.debug("job %d %s: started, %d blocks (request in transit %.1f ms)", batch.job_id, kind,
+                      len(batch.engine_blocks), transit * 1e3)
+        elif not job.same_target(region.region_id, batch.engine_blocks):
+            raise PlanRejected(Code.INVALID_ARGUMENT,
+                               f"job {batch.job_id} was submitted before with other engine blocks", batch.job_id)
+        else:
+            self.counters.add("jobs_joined")
+            log.debug("job %d %s: joined (%s; request in transit %.1f ms)", batch.job_id, kind,
+                      "done" if job.task.done() else "running", transit * 1e3)
+        moved = await asyncio.shield(job.task)
+        return pb.TransferResponse(job_id=batch.job_id, bytes=moved.bytes, seconds=moved.seconds, joined=joined,
+                                   waited_seconds=time.perf_counter() - received, transit_seconds=transit)
+
+    async def _run_job(self, batch: Batch, region: EngineRegion, ticket: Ticket) -> Moved:
+        """One transfer, whoever asked for it and whether or not they still wait. Raises
+        :class:`JobFailed` with the status to answer."""
+        try:
+            moved = await self._copy(batch, region, ticket)
+        except CopyFailed as exc:
+            self.counters.add("jobs_failed")
+            await self.gate.report(JobReport(batch.job_id, False, exc.message,
+                                             bad_disk_slots=tuple(exc.bad.get(Tier.DISK, ())),
+                                             bad_host_slots=tuple(exc.bad.get(Tier.HOST, ()))))
+            raise
+        except JobFailed:
+            self.counters.add("jobs_failed")
+            raise
+        store = batch.kind is PlanKind.STORE
+        self.counters.add("bytes_stored" if store else "bytes_loaded", moved.bytes)
+        self.counters.add("jobs_ok")
+        log.debug("job %d %s: %d blocks, %d bytes in %.2f ms", batch.job_id, batch.kind.name.lower(),
+                  len(batch.engine_blocks), moved.bytes, moved.seconds * 1e3)
+        report = JobReport(batch.job_id, True, "", moved.bytes, moved.seconds)
+        if not store:
+            # The bytes are in the engine's memory: answer now and confirm to the leader beside
+            # it (its only effect is to unpin the slots, which a lost report does at the deadline).
+            task = asyncio.ensure_future(self.gate.report(report))
+            self._reports.add(task)
+            task.add_done_callback(self._reports.discard)
+            return moved
+        if not await self.gate.report(report):
+            raise JobFailed(Code.UNAVAILABLE, f"job {batch.job_id}: bytes stored but the leader did not confirm them")
+        return moved
+
+    async def _copy(self, batch: Batch, region: EngineRegion | None, ticket: Ticket) -> Moved:
+        """Steps 3 to 5 of the module docstring. Raises :class:`JobFailed` when the leader says
+        no (nothing moved, nothing to report), :class:`CopyFailed` when the copy failed."""
+        try:
+            deadline = min(batch.deadline, await self.gate.start_job(batch.job_id, batch.job.epoch))
+        except JobFailed as exc:
+            ticket.release()
+            log.warning("%s", exc.message)
+            raise
+        until = deadline + GRACE_SHARE * self.gate.grace
+        try:
+            nbytes, seconds = await self.lanes.run(ticket, deadline, self._on_lane, batch, region, until)
+        except Exception as exc:
+            raise self._failure(batch, exc) from None
+        return Moved(nbytes, seconds)
+
+    def _on_lane(self, batch: Batch, region: EngineRegion | None, until: float) -> int:
+        """On the lane thread, after its deadline check: the pools must still be the plan's."""
+        pools = self.pools.current
+        if pools is None or pools.epoch != batch.job.epoch:
+            raise Refusal(Code.FAILED_PRECONDITION, f"pools left epoch {batch.job.epoch} while the job was queued")
+        mover: BlockMover = pools.mover
+        return mover.run(batch, region, until)
+
+    def _failure(self, batch: Batch, exc: Exception) -> CopyFailed:
+        job = f"job {batch.job_id}"
+        if isinstance(exc, LateStart):
+            self.counters.add("jobs_late")
+            log.warning("%s %s: refused, %s", job, batch.kind.name.lower(), exc)
+            return CopyFailed(Code.DEADLINE_EXCEEDED, f"{job} is past its deadline: {exc}")
+        if isinstance(exc, Refusal):
+            return CopyFailed(exc.code, f"{job}: {exc.message}")
+        if isinstance(exc, SlotsFailed):
+            self.counters.add("corrupt_disk_slots" if exc.tier is Tier.DISK else "corrupt_host_slots", len(exc.slots))
+            log.error("%s: %s; the leader drops those copies", job, exc)
+            return CopyFailed(Code.DATA_LOSS, f"{job} failed on worker {self.worker_id}: {exc}", {exc.tier: exc.slots})
+        if isinstance(exc, (CopyExpired, DiskHung)):
+            log.error("%s failed: %s", job, exc)
+        else:
+            log.error("%s failed", job, exc_info=exc)
+        return CopyFailed(Code.ABORTED, f"{job} failed on worker {self.worker_id}: {exc}")
+
+    # ------------------------------------------------------------------ Command
+    async def command(self, request: "pb.CommandRequest") -> "pb.CommandResponse":
+        """A leader command (G2 -> G3 demotion, G3 -> G2 promotion): a signed acknowledgement.
+        Raises :class:`PlanRejected` when the command fails its checks (nothing moved)."""
+        self._guard()
+        batch = check_command(request.plan, self.gate.plan_key, self.pools.current)
+        check_not_late(batch, time.monotonic())
+        ticket = self._admit(batch)
+        try:
+            moved = await self._copy(batch, None, ticket)
+        except JobFailed as exc:
+            return self.ack(batch.job_id, False, exc.message)
+        demote = batch.kind is PlanKind.DEMOTE
+        self.counters.add("bytes_demoted" if demote else "bytes_promoted", moved.bytes)
+        log.debug("job %d %s: %d blocks G2->G3, %d blocks G3->G2 in %.2f ms", batch.job_id, batch.kind.name.lower(),
+                  len(batch.demote_host), len(batch.promote_host), moved.seconds * 1e3)
+        return self.ack(batch.job_id, True)
+
+    async def acknowledge(self, request: "pb.CommandRequest") -> "pb.CommandResponse":
+        """:meth:`command` for transports without statuses (NATS): a rejection is an answer
+        with ``ok=False``, signed when the plan (hence its job id) could be trusted."""
+        try:
+            return await self.command(request)
+        except PlanRejected as exc:
+            if exc.job_id is not None:
+                return self.ack(exc.job_id, False, str(exc))
+            return pb.CommandResponse(ok=False, error=str(exc), worker_id=self.worker_id)
+
+    def ack(self, job_id: JobId, ok: bool, error: str = "") -> "pb.CommandResponse":
+        """A command acknowledgement, signed so that only this node's worker can give it."""
+        return pb.CommandResponse(ok=ok, error=error, worker_id=self.worker_id, job_id=job_id,
+                                  signature=sign_ack(self.node_key, self.worker_id, job_id, ok, error))
+

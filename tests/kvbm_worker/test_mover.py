@@ -1,0 +1,175 @@
+"""The copy executor on CPU, with real pools, a real G3 file and a real shared-memory engine
+region (no daemons): bytes, checksums, short reads, time limits."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvbm_client import ShmKvBuffer
+from kvbm_client.ids import JobId, PlanKind, Tier
+from kvbm_worker import mover as mover_module
+from kvbm_worker.errors import CopyExpired, SlotsFailed
+from kvbm_worker.handlers.disk import PosixDiskIO
+from kvbm_worker.handlers.disk_guard import TimedDiskIO
+from kvbm_worker.jobs import JobKey
+from kvbm_worker.mover import BlockMover
+from kvbm_worker.plan_check import Batch
+from kvbm_worker.pools import DiskPool, HostPool, SlotGeometry
+from kvbm_worker.regions import EngineRegion
+
+LAYERS, PAGE, BLOCKS = 3, 1000, 32  # 3000-byte blocks in 4096-byte slots
+FAR = 1e18  # a time limit that never passes
+
+
+class Rig:
+    """An engine region, G2 (8 slots), G3 (16 slots) and a mover over them."""
+
+    def __init__(self, root: Path, host_checksums: bool = False, clock=None) -> None:
+        self.engine = ShmKvBuffer(BLOCKS, LAYERS, PAGE, directory=str(root))
+        self.engine.array[:] = np.random.default_rng(0).integers(0, 256, self.engine.array.shape, dtype=np.uint8)
+        self.region = EngineRegion(self.engine.spec().to_request())
+        geo = lambda n: SlotGeometry.of(LAYERS * PAGE, n)  # noqa: E731
+        self.host = HostPool(geo(8))
+        self.disk = DiskPool(geo(16), str(root / "disk"), o_direct=True, zerofill_fallback=False)
+        self.io = TimedDiskIO(PosixDiskIO(self.disk.fd), timeout=5.0)
+        kwargs = {"clock": clock} if clock else {}
+        self.mover = BlockMover(self.host, self.disk, self.io, host_checksums=host_checksums, bounce_slots=4, **kwargs)
+
+    def run(self, kind, tier=Tier.DISK, slots=(), blocks=(), until=FAR, **moves) -> int:
+        ids = lambda v: np.asarray(v, np.int64)  # noqa: E731
+        batch = Batch(kind, JobKey("L", 1, JobId(1)), FAR, ids([tier] * len(slots)), ids(slots), ids(blocks),
+                      **{k: ids(v) for k, v in moves.items()})
+        return self.mover.run(batch, None if kind in (PlanKind.DEMOTE, PlanKind.PROMOTE) else self.region, until)
+
+    def page(self, block: int) -> np.ndarray:
+        return self.engine.array[block].copy()
+
+    def poke_file(self, slot: int, offset: int = 17, data: bytes = b"\xff\x00\xff") -> None:
+        fd = os.open(self.disk.path, os.O_RDWR)
+        try:
+            os.pwrite(fd, data, slot * self.disk.geometry.slot_bytes + offset)
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        self.mover.close()
+        self.io.close()
+        self.disk.close()
+        self.host.close()
+        self.region.close()
+        self.engine.close()
+
+
+@pytest.fixture
+def rig(tmp_path):
+    made = []
+
+    def make(**kw) -> Rig:
+        made.append(Rig(tmp_path, **kw))
+        return made[-1]
+    yield make
+    for r in made:
+        r.close()
+
+
+def test_g3_roundtrip_through_the_bounce_pipeline(rig):
+    r = rig()
+    src, dst, slots = list(range(0, 7)), list(range(20, 27)), [9, 2, 3, 4, 0, 15, 8]  # 4 chunks of 2 rows
+    want = r.engine.array[src].copy()
+    assert r.run(PlanKind.STORE, slots=slots, blocks=src) == 7 * LAYERS * PAGE
+    r.engine.array[20:27] = 0
+    r.run(PlanKind.LOAD, slots=slots, blocks=dst)
+    assert np.array_equal(r.engine.array[dst], want)
+
+
+def test_overwritten_g3_bytes_fail_the_load_and_never_reach_the_engine(rig):
+    r = rig()
+    r.run(PlanKind.STORE, slots=[5, 6], blocks=[1, 2])
+    r.poke_file(6)
+    before = r.engine.array.copy()
+    with pytest.raises(SlotsFailed) as info:
+        r.run(PlanKind.LOAD, slots=[5, 6], blocks=[10, 11])
+    assert info.value.tier is Tier.DISK and info.value.slots == [6] and "checksum" in info.value.reason
+    assert np.array_equal(r.engine.array, before), "unverified bytes reached the engine"
+    r.run(PlanKind.LOAD, slots=[5], blocks=[10])  # the good slot still loads
+    assert np.array_equal(r.engine.array[10], before[1])
+
+
+def test_padding_past_the_block_bytes_is_not_checked(rig):
+    r = rig()
+    r.run(PlanKind.STORE, slots=[3], blocks=[4])
+    r.poke_file(3, offset=LAYERS * PAGE + 10)  # the slot's alignment padding, never delivered
+    r.run(PlanKind.LOAD, slots=[3], blocks=[30])
+    assert np.array_equal(r.engine.array[30], r.engine.array[4])
+
+
+def test_a_short_read_names_the_slots_it_could_not_read(rig):
+    r = rig()
+    r.run(PlanKind.STORE, slots=[0, 12], blocks=[1, 2])
+    os.truncate(r.disk.path, 4 * r.disk.geometry.slot_bytes)
+    with pytest.raises(SlotsFailed) as info:
+        r.run(PlanKind.LOAD, slots=[12], blocks=[20])
+    assert info.value.slots == [12] and "could not be read" in info.value.reason
+    r.run(PlanKind.LOAD, slots=[0], blocks=[20])
+
+
+def test_never_written_slots_do_not_verify(rig):
+    r = rig()
+    with pytest.raises(SlotsFailed):
+        r.run(PlanKind.LOAD, slots=[7], blocks=[3])
+    r.run(PlanKind.STORE, slots=[7], blocks=[3])
+    r.mover.renew()  # a new pool epoch: contents void
+    with pytest.raises(SlotsFailed):
+        r.run(PlanKind.LOAD, slots=[7], blocks=[3])
+
+
+def test_demotion_then_promotion_carries_verified_bytes(rig):
+    r = rig(host_checksums=True)
+    r.run(PlanKind.STORE, tier=Tier.HOST, slots=[0, 1], blocks=[5, 6])
+    r.run(PlanKind.DEMOTE, demote_host=[0, 1], demote_disk=[10, 11])
+    r.host.slots[:] = 0
+    r.run(PlanKind.PROMOTE, promote_host=[4, 5], promote_disk=[10, 11])
+    r.run(PlanKind.LOAD, tier=Tier.HOST, slots=[4, 5], blocks=[20, 21])
+    assert np.array_equal(r.engine.array[20:22], r.engine.array[5:7])
+    r.poke_file(11)
+    host_before = r.host.slots.copy()
+    with pytest.raises(SlotsFailed) as info:
+        r.run(PlanKind.PROMOTE, promote_host=[6], promote_disk=[11])
+    assert info.value.slots == [11]
+    assert np.array_equal(r.host.slots, host_before), "a corrupt G3 block reached G2"
+
+
+def test_host_checksums_catch_a_corrupted_g2_slot(rig):
+    r = rig(host_checksums=True)
+    r.run(PlanKind.STORE, tier=Tier.HOST, slots=[3], blocks=[8])
+    r.host.slots[3, 100] ^= 0xFF
+    before = r.engine.array.copy()
+    with pytest.raises(SlotsFailed) as info:
+        r.run(PlanKind.LOAD, tier=Tier.HOST, slots=[3], blocks=[9])
+    assert info.value.tier is Tier.HOST and info.value.slots == [3]
+    assert np.array_equal(r.engine.array, before)
+    with pytest.raises(SlotsFailed):  # nor is it demoted to G3
+        r.run(PlanKind.DEMOTE, demote_host=[3], demote_disk=[0])
+
+
+def test_a_copy_stops_where_the_leader_may_reuse_its_slots(rig, monkeypatch):
+    monkeypatch.setattr(mover_module, "HOST_CHUNK_BYTES", 2 * LAYERS * PAGE)  # two blocks per chunk
+    ticks = iter(range(1, 100))
+    r = rig(clock=lambda: float(next(ticks)))  # one second passes at every time check
+    r.host.slots[:] = 0xA5
+    with pytest.raises(CopyExpired):
+        r.run(PlanKind.STORE, tier=Tier.HOST, slots=[0, 1, 2, 3], blocks=[0, 1, 2, 3], until=1.5)
+    assert np.array_equal(r.host.slots[0, :LAYERS * PAGE], r.engine.array[0].ravel())  # the first chunk
+    assert (r.host.slots[2:4] == 0xA5).all(), "a chunk was written after the time limit"
+    ticks = iter(range(1, 100))
+    with pytest.raises(CopyExpired):  # sources read past the limit: the load is not reported done
+        r.run(PlanKind.LOAD, tier=Tier.HOST, slots=[0], blocks=[20], until=1.5)
+
+
+def test_an_engine_block_outside_the_region_is_refused_before_copying(rig):
+    r = rig()
+    with pytest.raises(ValueError, match="outside"):
+        r.run(PlanKind.LOAD, tier=Tier.HOST, slots=[0], blocks=[-1])

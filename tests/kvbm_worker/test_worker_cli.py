@@ -1,0 +1,28 @@
+"""The worker's command line: one data path (``--cpu`` or ``--gpu``), and what it implies."""
+from __future__ import annotations
+
+import pytest
+
+from kvbm_client.errors import KvbmConfigError
+from kvbm_worker.daemon import build_parser, data_path
+from kvbm_worker.handlers.cuda_copier import CopyMechanism
+
+
+def test_cpu_and_gpu_are_exclusive(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--cpu", "--gpu", "0"])
+    assert "not allowed with" in capsys.readouterr().err
+
+
+def test_the_data_path_of_the_arguments():
+    path = data_path(build_parser().parse_args(["--gpu", "1", "--cuda-copy", "gather", "--no-nixl"]))
+    assert path.gpu == 1 and path.cuda_copy is CopyMechanism.GATHER and not path.prefer_nixl
+    path = data_path(build_parser().parse_args(["--cpu"]))
+    assert path.gpu is None and path.cuda_copy is CopyMechanism.AUTO and path.prefer_nixl
+    with pytest.raises(KvbmConfigError, match="--gpu"):
+        data_path(build_parser().parse_args(["--cuda-copy", "runs"]))
+
+
+def test_the_cuda_copy_help_names_the_rule_auto_follows():
+    text = " ".join(build_parser().format_help().split())
+    assert "cudaMemcpyBatchAsync" in text and "256 KiB" in text
