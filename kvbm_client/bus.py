@@ -57,7 +57,7 @@ class NatsBus:
         self.servers = [s.strip() for s in servers.split(",") if s.strip()]
         self.name = name
         self.auth = auth or {}  # nats.connect keywords: user_credentials, nkeys_seed, tls
-        self.nc = None
+        self.nc: Any = None  # nats.aio.client.Client once connected (nats-py is imported lazily)
         self.reconnects = 0
         self._subs: list[tuple[str, Callable[..., Awaitable[None]]]] = []
         self._task: asyncio.Task | None = None

@@ -126,4 +126,5 @@ def export_kv_cache(kv_caches, *, block_dim: int, page_dims: int = 3,
         layers.extend(LayerSpec(by_storage[key], off, stride) for off, stride in pages)
     dtype = str(tensors[0].dtype).removeprefix("torch.")
     kw = {"engine_id": engine_id} if engine_id else {}
+    assert page_bytes is not None and num_blocks is not None  # set by the first of the (non-empty) tensors
     return CudaRegionSpec(tuple(buffers), tuple(layers), page_bytes, num_blocks, dtype, **kw)

@@ -87,8 +87,8 @@ class EtcdRegistration:
         self.ttl = ttl
         self.keys: dict[str, bytes] = {}
         self.regrants = 0  # leases re-granted after a loss (tests and logs)
-        self._client = None
-        self._lease = None
+        self._client: Any = None  # aetcd.Client once started (aetcd is imported lazily)
+        self._lease: Any = None  # its aetcd lease
         self._task: asyncio.Task | None = None
         self._closed = False
 
