@@ -24,6 +24,7 @@ class FaultKind(str, Enum):
     KILL_LEADER = "kill-leader"  # leader kill -9, restarted after duration_s
     DISK_EIO = "disk-eio"  # the G3 file returns EIO (spec: faulty_worker.py's KVBM_STRESS_DISK_EIO)
     STALL = "stall"  # chosen copies sleep on their lane (spec: KVBM_STRESS_STALL)
+    FAIL = "fail"  # chosen copies fail (spec: KVBM_STRESS_FAIL)
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,8 @@ class Fault:
             return (("KVBM_STRESS_DISK_EIO", self.spec),)
         if self.kind is FaultKind.STALL:
             return (("KVBM_STRESS_STALL", self.spec),)
+        if self.kind is FaultKind.FAIL:
+            return (("KVBM_STRESS_FAIL", self.spec),)
         return ()
 
     def describe(self) -> dict:

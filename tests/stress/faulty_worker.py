@@ -14,6 +14,8 @@ Imports the real daemon, patches what its environment asks for, then runs
   thread: ``kind:nth:seconds[,...]`` with kind ``store``, ``load``, ``demote`` or
   ``promote``; the nth job of that kind (1-based, counted in this process) sleeps
   ``seconds`` on its lane thread before it copies (the job was accepted in time).
+* ``KVBM_STRESS_FAIL`` — copies that fail: ``kind:nth[,...]``; the nth job of that kind
+  raises ``OSError(EIO)`` on its lane before it copies (the job fails, its callers get ABORTED).
 * ``KVBM_STRESS_FAULT_LOG`` — a file that gets one line per injected fault.
 
 Runs in the worker daemon's process; the hooks run on its lane threads.
@@ -97,12 +99,13 @@ class FaultyDiskIO:
         self.inner.close()
 
 
-def parse_stalls(spec: str) -> dict[str, dict[int, float]]:
-    stalls: dict[str, dict[int, float]] = {}
+def parse_jobs(spec: str) -> dict[str, dict[int, float]]:
+    """``kind:nth[:seconds],...`` -> {kind: {nth: seconds}} (seconds 0 when absent)."""
+    jobs: dict[str, dict[int, float]] = {}
     for item in filter(None, spec.split(",")):
-        kind, nth, seconds = item.split(":")
-        stalls.setdefault(kind, {})[int(nth)] = float(seconds)
-    return stalls
+        kind, nth, *seconds = item.split(":")
+        jobs.setdefault(kind, {})[int(nth)] = float(seconds[0]) if seconds else 0.0
+    return jobs
 
 
 def install() -> None:
@@ -119,8 +122,9 @@ def install() -> None:
             return FaultyDiskIO(real_open(*args, **kwargs), policy)
 
         daemon.open_disk_io = open_disk_io
-    stalls = parse_stalls(os.environ.get("KVBM_STRESS_STALL", ""))
-    if stalls:
+    stalls = parse_jobs(os.environ.get("KVBM_STRESS_STALL", ""))
+    fails = parse_jobs(os.environ.get("KVBM_STRESS_FAIL", ""))
+    if stalls or fails:
         real_run = transfers.TransferEngine.run
         seen: dict[str, int] = {}
 
@@ -133,6 +137,9 @@ def install() -> None:
                 note(f"stall {kind} job #{n} ({len(batch.engine_blocks)} engine blocks) for {seconds:g}s")
                 time.sleep(seconds)
                 note(f"stall {kind} job #{n} copies now")
+            if n in fails.get(kind, {}):
+                note(f"fail {kind} job #{n} ({len(batch.engine_blocks)} engine blocks)")
+                raise OSError(errno.EIO, f"injected failure of {kind} job #{n}")
             return real_run(self, batch, region)
 
         transfers.TransferEngine.run = run

@@ -94,6 +94,15 @@ def commit() -> str:
     return out.stdout.strip()
 
 
+def src_diff(src: str) -> str:
+    """What another checkout (``--kvbm-src``) changes in the kvbm packages, as a unified diff."""
+    if not src:
+        return ""
+    return "".join(subprocess.run(["diff", "-ru", "-x", "__pycache__", str(REPO / pkg), str(Path(src) / pkg)],
+                                  capture_output=True, text=True).stdout
+                   for pkg in ("kvbm_client", "kvbm_leader", "kvbm_worker"))
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     work = Path(args.work or f"/tmp/kvbm-stress-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -107,7 +116,8 @@ def main(argv=None) -> int:
                           async_scheduling=args.async_scheduling, cuda_graphs=args.cuda_graphs,
                           load_mode=args.load_mode, early_loads=not args.no_early_loads)
     result = {"commit": commit(), "argv": sys.argv, "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-              "workload": spec.__dict__, "engine": engine.__dict__, "passes": []}
+              "workload": spec.__dict__, "engine": engine.__dict__, "kvbm_src": args.kvbm_src,
+              "kvbm_src_diff": src_diff(args.kvbm_src), "passes": []}
     baseline = run_baseline(model, workload, engine, work)
     if not args.skip_baseline_check:
         result["baseline_stability"] = baseline_stability(model, workload, engine, work, baseline)
