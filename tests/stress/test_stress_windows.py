@@ -156,6 +156,43 @@ def test_old_leaders_report_does_not_confirm_a_new_job(stress_node, engine_buffe
         client.close()
 
 
+# ---------------------------------------------------------------------------- recovery after a leader restart
+@pytest.mark.xfail(strict=True, reason="kill-leader pass: a store the new leader does not confirm is answered "
+                   "UNAVAILABLE, the worker role takes it for a lost daemon and re-registers, and the daemon refuses "
+                   "the same pid (ALREADY_EXISTS) forever: no kvbm until the engine restarts; fix: ABORTED for an "
+                   "unconfirmed store, RegisterRegion idempotent for the same pid and layout (README 'Windows')")
+def test_worker_role_keeps_its_region_after_a_leader_restart(stress_node, engine_buffer):
+    from kvbm_client.connectors.vllm.scheduler import KvbmConnectorScheduler
+    from kvbm_client.connectors.vllm.settings import ConnectorSettings
+    from kvbm_client.connectors.vllm.worker import KvbmConnectorWorker
+
+    node = stress_node(NodeConfig(g2_blocks=64, g3_blocks=0, worker_faults=(("KVBM_STRESS_STALL", "store:1:4"),)))
+    settings = ConnectorSettings.from_extra({"socket_dir": node.env["DYN_KVBM_SOCKET_DIR"], "retry_s": 0.5},
+                                            "windows")
+    worker = KvbmConnectorWorker("0", settings)
+    sched = KvbmConnectorScheduler(BS, settings, ["0"])
+    try:
+        worker.set_region(engine_buffer.spec())  # the worker role registers the engine's KV cache
+        assert worker.region_id is not None
+        node.wait_ready(30)
+        req = vllm_request("r", block_hashes(4), 4 * BS + 1)
+        sched.get_num_new_matched_tokens(req, 0)
+        sched.update_state_after_alloc(req, vllm_blocks(list(range(5))), 0)
+        meta = sched.build_connector_meta(scheduler_output({"r": list(range(5))}, {"r": 4 * BS + 1}))
+        worker.start_stores(meta)  # the copy sleeps 4 s on the store lane
+        node.kill(Daemon.LEADER)
+        node.restart(Daemon.LEADER)
+        node.wait_ready(30)
+        worker.fence_stores()  # the store fails: the new leader does not know its job
+        end = time.monotonic() + 10
+        while worker.region_id is None and time.monotonic() < end:
+            time.sleep(0.2)
+        assert worker.region_id is not None, "the worker role lost its region and cannot register it again"
+    finally:
+        sched.shutdown()
+        worker.shutdown()
+
+
 # ---------------------------------------------------------------------------- window 6
 @pytest.mark.xfail(strict=True, reason="issue 17 window 6: the worker checks a plan's deadline when the Transfer "
                    "arrives, not when its lane starts the copy; a load queued past its job's expiry copies slots the "
@@ -193,6 +230,19 @@ def _prompt(seed: int, n: int) -> list[int]:
     return [int(x) for x in rnd.integers(10, 1000, n)]
 
 
+def _a_and_again(again_max_tokens: int) -> tuple[Request, Request]:
+    """Request A (5 full blocks) and a later one sharing those 5 blocks."""
+    a = _prompt(1, 5 * 32 + 10)
+    return Request("A", a, 4), Request("A-again", a[:5 * 32] + _prompt(2, 40), again_max_tokens)
+
+
+def _assert_identical_after(out: dict, fallback: str) -> None:
+    """The connector did give up on the slow copy (``fallback`` counted in the engine log), and
+    no output differs from vLLM alone."""
+    assert out["result"]["engine_log"][fallback] >= 1, f"no {fallback}: the connector never gave up on the copy"
+    assert out["differing"] == []
+
+
 def _engine_window(stress_model, stress_node, tmp_path, workload: Workload, fault: tuple[str, str]) -> dict:
     """Serve ``workload`` through kvbm with one worker fault (a faulty_worker.py variable and
     its value); compare with vLLM alone."""
@@ -215,13 +265,11 @@ def test_store_copy_outliving_the_connector_wait_is_never_served(stress_model, s
     """Request A's first store sleeps 36 s on the worker's store lane. The connector waits 30 s,
     frees A's blocks, and other requests write their KV there; then the copy reads them and
     is committed under A's hashes. A later request with A's prefix loads it."""
-    a = _prompt(1, 5 * 32 + 10)
-    requests = [Request("A", a, 4), Request("A-again", a[:5 * 32] + _prompt(2, 40), 8)]
-    requests += [Request(f"B{i}", _prompt(100 + i, 170), 24) for i in range(12)]
-    workload = Workload(requests, [Wave(["A"]), Wave([f"B{i}" for i in range(12)]), Wave(["A-again"])])
+    others = [Request(f"B{i}", _prompt(100 + i, 170), 24) for i in range(12)]
+    a, again = _a_and_again(again_max_tokens=8)
+    workload = Workload([a, again, *others], [Wave(["A"]), Wave([r.id for r in others]), Wave(["A-again"])])
     out = _engine_window(stress_model, stress_node, tmp_path, workload, ("KVBM_STRESS_STALL", "store:1:36"))
-    assert out["result"]["engine_log"]["stores_failed"] >= 1, "the connector did not give up on the stalled store"
-    assert out["differing"] == []
+    _assert_identical_after(out, "stores_failed")
 
 
 @pytest.mark.timeout(900)
@@ -233,15 +281,13 @@ def test_load_copy_outliving_the_connector_wait_never_lands(stress_model, stress
     """A's prefix comes back from kvbm, but the copy sleeps 36 s on the load lane. The connector
     waits 30 s, reports a load error (vLLM recomputes), A finishes, its blocks go to C requests;
     then the copy writes A's bytes into them."""
-    a = _prompt(1, 5 * 32 + 10)
-    requests = [Request("A", a, 4), Request("A-again", a[:5 * 32] + _prompt(2, 40), 4)]
-    requests += [Request(f"E{i}", _prompt(200 + i, 170), 8) for i in range(6)]
-    requests += [Request(f"C{i}", _prompt(300 + i, 64), 120) for i in range(12)]
-    workload = Workload(requests, [Wave(["A"]), Wave([f"E{i}" for i in range(6)]),
-                                   Wave(["A-again"] + [f"C{i}" for i in range(12)])])
+    evict = [Request(f"E{i}", _prompt(200 + i, 170), 8) for i in range(6)]
+    victims = [Request(f"C{i}", _prompt(300 + i, 64), 120) for i in range(12)]
+    a, again = _a_and_again(again_max_tokens=4)
+    workload = Workload([a, again, *evict, *victims], [Wave(["A"]), Wave([r.id for r in evict]),
+                                                       Wave(["A-again"] + [r.id for r in victims])])
     out = _engine_window(stress_model, stress_node, tmp_path, workload, ("KVBM_STRESS_STALL", "load:1:36"))
-    assert out["result"]["engine_log"]["loads_failed"] >= 1, "the connector did not give up on the stalled load"
-    assert out["differing"] == []
+    _assert_identical_after(out, "loads_failed")
 
 
 # ---------------------------------------------------------------------------- window 7 (engine)
