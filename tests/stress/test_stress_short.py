@@ -55,6 +55,6 @@ def test_stress_run_moves_blocks_through_every_tier(stress_pass):
 
 
 @pytest.mark.xfail(strict=True, reason="issue 17 window 1 (test_stress_windows.py::"
-                   "test_load_lands_where_vllm_counts_the_external_tokens): 3-5 of 48 outputs differ")
+                   "test_load_lands_where_vllm_counts_the_external_tokens): 3-6 of 48 outputs differ")
 def test_stress_outputs_identical_to_vllm_alone(stress_pass):
     assert stress_pass["differing_count"] == 0, stress_pass["differing"]
