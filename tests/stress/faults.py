@@ -64,6 +64,7 @@ class FaultInjector:
     events: list[dict] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     _thread: threading.Thread | None = None
+    _stop: threading.Event = field(default_factory=threading.Event)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="fault-injector", daemon=True)
@@ -73,6 +74,15 @@ class FaultInjector:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def stop(self) -> None:
+        """Strike nothing more (a stopped worker still gets its SIGCONT), then join."""
+        self._stop.set()
+        self.join()
+
+    def _sleep(self, seconds: float) -> bool:
+        """False when the injector was stopped meanwhile."""
+        return not self._stop.wait(seconds)
+
     def _event(self, what: str) -> None:
         self.events.append({"t": time.time(), "what": what})
 
@@ -81,12 +91,11 @@ class FaultInjector:
             for fault in (f for f in self.faults if f.timed):
                 marker = self.marker_dir / f"wave-{fault.wave}.start"
                 while not marker.exists():
-                    if not self.alive():
+                    if not self.alive() or not self._sleep(0.05):
                         self.errors.append(f"engine ended before wave {fault.wave}: {fault.kind.value} not injected")
                         return
-                    time.sleep(0.05)
-                time.sleep(fault.delay_s)
-                self._strike(fault)
+                if self._sleep(fault.delay_s):
+                    self._strike(fault)
         except Exception as exc:  # reported in the pass result, never lost in a thread
             self.errors.append(f"{type(exc).__name__}: {exc}")
 
@@ -95,13 +104,13 @@ class FaultInjector:
         if fault.kind is FaultKind.SIGSTOP:
             node.signal(Daemon.WORKER, signal.SIGSTOP)
             self._event("worker SIGSTOP")
-            time.sleep(fault.duration_s)
+            self._sleep(fault.duration_s)
             node.signal(Daemon.WORKER, signal.SIGCONT)
             self._event("worker SIGCONT")
             return
         what = Daemon.WORKER if fault.kind is FaultKind.KILL_WORKER else Daemon.LEADER
         node.kill(what)
         self._event(f"{what.value} kill -9")
-        time.sleep(fault.duration_s)
-        node.restart(what)
-        self._event(f"{what.value} restarted")
+        if self._sleep(fault.duration_s):  # never restart a daemon of a node being closed
+            node.restart(what)
+            self._event(f"{what.value} restarted")

@@ -18,6 +18,9 @@ Imports the real daemon, patches what its environment asks for, then runs
   raises ``OSError(EIO)`` on its lane before it copies (the job fails, its callers get ABORTED).
 * ``KVBM_STRESS_FAULT_LOG`` — a file that gets one line per injected fault.
 
+The stall and fail hooks wrap ``TransferEngine.run``; the GPU engine (``CudaTransferEngine``)
+overrides ``run``, so on a GPU worker only the disk hook applies (the stalls need a CUDA variant).
+
 Runs in the worker daemon's process; the hooks run on its lane threads.
 """
 from __future__ import annotations

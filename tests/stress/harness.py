@@ -202,15 +202,16 @@ def run_pass(name: str, model: Path, workload: Workload, baseline: dict, engine:
     env_faults = tuple(kv for f in faults for kv in f.worker_env())
     node = StressNode(root / "node", replace(node_cfg, worker_faults=node_cfg.worker_faults + env_faults))
     started = time.time()
+    env = {"DYN_KVBM_SOCKET_DIR": node.env["DYN_KVBM_SOCKET_DIR"]}
+    if trace:  # one JSON line per connector decision (kvbm_client/connectors/vllm/worker.py)
+        env["KVBM_CONNECTOR_TRACE"] = str(root / "connector-trace.jsonl")
+    run = Run(model, workload.write(root / "workload.json"), root / "engine.json", engine, kvbm=True,
+              env=env, timeout_s=timeout_s, src=node_cfg.src)
+    proc = None
+    injector = FaultInjector(node, faults, run.marker_dir, lambda: proc is not None and proc.poll() is None)
     try:
         node.start_all()
-        env = {"DYN_KVBM_SOCKET_DIR": node.env["DYN_KVBM_SOCKET_DIR"]}
-        if trace:  # one JSON line per connector decision (kvbm_client/connectors/vllm/worker.py)
-            env["KVBM_CONNECTOR_TRACE"] = str(root / "connector-trace.jsonl")
-        run = Run(model, workload.write(root / "workload.json"), root / "engine.json", engine, kvbm=True,
-                  env=env, timeout_s=timeout_s, src=node_cfg.src)
         proc = run.start()
-        injector = FaultInjector(node, faults, run.marker_dir, lambda: proc.poll() is None)
         injector.start()
         result = run.finish(proc)
         injector.join()
@@ -220,6 +221,7 @@ def run_pass(name: str, model: Path, workload: Workload, baseline: dict, engine:
         except Exception as exc:  # a worker killed and not back: say so, keep the pass
             worker = {"error": repr(exc)}
     finally:
+        injector.stop()
         node.close()
     diffs = differing(baseline, result)
     return {"name": name, "faults": [f.describe() for f in faults], "node": asdict(node_cfg),

@@ -38,6 +38,8 @@ class NodeConfig:
     log_level: str = "info"
     #: the worker's test-only faults: KVBM_STRESS_DISK_EIO, KVBM_STRESS_STALL (see faulty_worker.py)
     worker_faults: tuple[tuple[str, str], ...] = ()
+    #: GPU engine (vLLM 0.26): the worker serves CUDA device ``gpu`` (``--gpu``) instead of ``--cpu``
+    gpu: int | None = None
     #: the checkout whose daemons run (another branch's fix) [default: $KVBM_STRESS_SRC, else this one]
     src: str = os.environ.get("KVBM_STRESS_SRC", "")
 
@@ -72,7 +74,8 @@ class StressNode:
         if what is Daemon.LEADER:
             argv = [sys.executable, "-m", "kvbm_leader"]
         else:
-            argv = [sys.executable, str(FAULTY_WORKER), "--worker-id", "0", "--cpu"]
+            device = ["--cpu"] if self.config.gpu is None else ["--gpu", str(self.config.gpu)]
+            argv = [sys.executable, str(FAULTY_WORKER), "--worker-id", "0", *device]
             if self.config.no_nixl:
                 argv.append("--no-nixl")
         log = open(self.root / f"{what.value}.log", "ab")

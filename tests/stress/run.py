@@ -51,6 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     n.add_argument("--g3-blocks", type=int, default=512)
     n.add_argument("--job-timeout", type=float, default=5.0, help="DYN_KVBM_JOB_TIMEOUT_SECS of the fault passes")
     n.add_argument("--no-nixl", action="store_true")
+    n.add_argument("--gpu", type=int, default=None, help="the worker serves this CUDA device (GPU engine)")
     n.add_argument("--kvbm-src", default="", help="a checkout whose connector and daemons run [default: this one]")
     f = p.add_argument_group("faults")
     f.add_argument("--passes", default=",".join(PASSES), help=f"comma-separated, of {', '.join(PASSES)}")
@@ -125,7 +126,7 @@ def main(argv=None) -> int:
     for name in args.passes.split(","):
         node = NodeConfig(g2_blocks=args.g2_blocks, g3_blocks=args.g3_blocks, no_nixl=args.no_nixl,
                           job_timeout_s=30.0 if name == "none" else args.job_timeout,
-                          log_level="debug" if args.debug else "info", src=args.kvbm_src)
+                          log_level="debug" if args.debug else "info", src=args.kvbm_src, gpu=args.gpu)
         try:
             outcome = run_pass(name + args.tag, model, workload, baseline, engine, node, fault_of(name, args), work,
                                timeout_s=args.timeout, trace=args.debug)
