@@ -1,0 +1,116 @@
+"""Faults the harness injects into the kvbm node while the engine serves the workload.
+
+Runs in the harness (kvbm venv). A timed fault strikes ``delay_s`` after the engine marked
+the start of wave ``wave`` (``wave-K.start`` in the marker directory) and lasts
+``duration_s``: SIGSTOP then SIGCONT of the worker, or kill -9 of a daemon then its restart
+(as ``kvbm serve`` would restart it). A disk fault is no event: the worker runs with the
+test-only EIO hook of ``faulty_worker.py`` for the whole pass.
+"""
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+from .node import Daemon, StressNode
+
+
+class FaultKind(str, Enum):
+    SIGSTOP = "sigstop"  # worker SIGSTOP for duration_s, then SIGCONT
+    KILL_WORKER = "kill-worker"  # worker kill -9, restarted after duration_s
+    KILL_LEADER = "kill-leader"  # leader kill -9, restarted after duration_s
+    DISK_EIO = "disk-eio"  # the G3 file returns EIO (spec: faulty_worker.py's KVBM_STRESS_DISK_EIO)
+    STALL = "stall"  # chosen copies sleep on their lane (spec: KVBM_STRESS_STALL)
+    FAIL = "fail"  # chosen copies fail (spec: KVBM_STRESS_FAIL)
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: FaultKind
+    wave: int = 1
+    delay_s: float = 1.0
+    duration_s: float = 2.0
+    spec: str = ""
+
+    @property
+    def timed(self) -> bool:
+        return self.kind in (FaultKind.SIGSTOP, FaultKind.KILL_WORKER, FaultKind.KILL_LEADER)
+
+    def worker_env(self) -> tuple[tuple[str, str], ...]:
+        if self.kind is FaultKind.DISK_EIO:
+            return (("KVBM_STRESS_DISK_EIO", self.spec),)
+        if self.kind is FaultKind.STALL:
+            return (("KVBM_STRESS_STALL", self.spec),)
+        if self.kind is FaultKind.FAIL:
+            return (("KVBM_STRESS_FAIL", self.spec),)
+        return ()
+
+    def describe(self) -> dict:
+        return {"kind": self.kind.value, "wave": self.wave, "delay_s": self.delay_s, "duration_s": self.duration_s,
+                "spec": self.spec}
+
+
+@dataclass
+class FaultInjector:
+    """Strikes the timed faults of one pass from a thread; every wait is bounded by ``alive``."""
+
+    node: StressNode
+    faults: list[Fault]
+    marker_dir: Path
+    alive: "callable"  # -> bool: the engine still runs
+    events: list[dict] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    _thread: threading.Thread | None = None
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="fault-injector", daemon=True)
+        self._thread.start()
+
+    def join(self, timeout: float = 120.0) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def stop(self) -> None:
+        """Strike nothing more (a stopped worker still gets its SIGCONT), then join."""
+        self._stop.set()
+        self.join()
+
+    def _sleep(self, seconds: float) -> bool:
+        """False when the injector was stopped meanwhile."""
+        return not self._stop.wait(seconds)
+
+    def _event(self, what: str) -> None:
+        self.events.append({"t": time.time(), "what": what})
+
+    def _run(self) -> None:
+        try:
+            for fault in (f for f in self.faults if f.timed):
+                marker = self.marker_dir / f"wave-{fault.wave}.start"
+                while not marker.exists():
+                    if not self.alive() or not self._sleep(0.05):
+                        self.errors.append(f"engine ended before wave {fault.wave}: {fault.kind.value} not injected")
+                        return
+                if self._sleep(fault.delay_s):
+                    self._strike(fault)
+        except Exception as exc:  # reported in the pass result, never lost in a thread
+            self.errors.append(f"{type(exc).__name__}: {exc}")
+
+    def _strike(self, fault: Fault) -> None:
+        node = self.node
+        if fault.kind is FaultKind.SIGSTOP:
+            node.signal(Daemon.WORKER, signal.SIGSTOP)
+            self._event("worker SIGSTOP")
+            self._sleep(fault.duration_s)
+            node.signal(Daemon.WORKER, signal.SIGCONT)
+            self._event("worker SIGCONT")
+            return
+        what = Daemon.WORKER if fault.kind is FaultKind.KILL_WORKER else Daemon.LEADER
+        node.kill(what)
+        self._event(f"{what.value} kill -9")
+        if self._sleep(fault.duration_s):  # never restart a daemon of a node being closed
+            node.restart(what)
+            self._event(f"{what.value} restarted")
