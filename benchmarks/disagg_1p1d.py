@@ -173,7 +173,9 @@ def summarize(results: dict[str, list[dict]]) -> dict:
             "warm_kvbm_onboard_blocks": sum(rd.get("kvbm", {}).get("kvbm_onboard_blocks_h2d", 0.0) for rd in warm_rounds),
             "decode_nixl_transfers": sum(rd.get("decode", {}).get(ENGINE_METRICS[3], 0.0) for p in passes
                                          for rd in p["rounds"]),
-            "outputs_equal_first": all([r["output"] for r in p["rows"]] == reference for p in passes)}
+            "outputs_equal_first": all([r["output"] for r in p["rows"]] == reference for p in passes),
+            "outputs_equal_to": [other for other, theirs in results.items() if other != name and all(
+                [r["output"] for r in p["rows"]] == [r["output"] for r in q["rows"]] for p in passes for q in theirs)]}
     return table
 
 
@@ -195,6 +197,9 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--work", help="directory for models and logs (default: a new temporary one)")
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--append", action="store_true",
+                   help="add this run's passes to those already in --json (one pass per command where a "
+                        "command's time is limited); the table covers them all")
     args = p.parse_args()
     # Defaults per platform: the CPU run is the tiny model on 2 cores; the GPU run is the 8K-ish
     # multi-round shape of the aggregated table (Qwen3-4B shape), G1 too small for every history.
@@ -210,6 +215,12 @@ def main() -> int:
     platform = cpu_platform(args, work) if cpu else gpu_platform(args, work)
     systems = [harness.SYSTEMS[s] for s in args.systems.split(",")]
     results: dict[str, list[dict]] = {s.name: [] for s in systems}
+    runs = [record]
+    if args.append and args.json and Path(args.json).exists():
+        previous = json.loads(Path(args.json).read_text())
+        runs = previous.get("runs", [previous.get("provenance")]) + runs
+        for name, passes in previous["passes"].items():
+            results.setdefault(name, [])[:0] = passes
     for i in range(args.passes):
         for system in systems:
             res = run_system(platform, system, work, args)
@@ -222,10 +233,10 @@ def main() -> int:
     for name, row in table.items():
         print(f"{name:9s} {row['ttft_p50_ms']:9.1f} {row['ttft_p90_ms']:9.1f} {row['cold_ttft_p50_ms']:9.1f} "
               f"{row['warm_external_hit_tokens']:10.0f} {row['warm_kvbm_onboard_blocks']:9.0f} "
-              f"{row['decode_nixl_transfers']:10.0f} {'= first' if row['outputs_equal_first'] else 'DIFFER'}")
+              f"{row['decode_nixl_transfers']:10.0f} equal to {row['outputs_equal_to']}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"provenance": record, "args": vars(args), "table": table,
-                                               "passes": results}, indent=1))
+        Path(args.json).write_text(json.dumps({"provenance": record, "runs": runs, "args": vars(args),
+                                               "table": table, "passes": results}, indent=1))
     return 0 if all(row["outputs_equal_first"] for row in table.values()) else 1
 
 
