@@ -126,7 +126,10 @@ def run_system(platform: harness.Platform, system: harness.System, work: Path, a
         t0 = time.monotonic()
         with harness.Deployment(platform, system, log_dir, kvbm_env=kvbm_env) as dep:
             start_s = time.monotonic() - t0
+            with urllib.request.urlopen(dep.caching_engine.url + "/version", timeout=10) as resp:
+                version = json.loads(resp.read()).get("version")  # the engines' vLLM, not this process's
             result = run_workload(dep, node, args)
+            result["vllm_version"] = version
         result.update(system=system.name, start_s=round(start_s, 1), logs=str(log_dir))
         return result
     finally:
