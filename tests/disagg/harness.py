@@ -132,10 +132,11 @@ def _tail(log: Path, chars: int = 3000) -> str:
 
 
 @dataclass
-class Engine:
-    """One vLLM OpenAI server (a process group of its own, so its EngineCore stops with it)."""
+class Server:
+    """One HTTP server process we started (a vLLM OpenAI server or the proxy), in a process group
+    of its own, so that a vLLM server's EngineCore and workers stop with it."""
 
-    role: Role
+    name: str
     url: str
     proc: subprocess.Popen
     log: Path
@@ -164,8 +165,9 @@ def engine_env(platform: Platform, base: dict[str, str], device: int | None, sid
     env["PYTHONPATH"] = os.pathsep.join([*platform.extra_pythonpath, str(REPO), base.get("PYTHONPATH", "")]).strip(
         os.pathsep)
     if device is None:
-        # NOTE: one OMP thread per engine, each on its own core, so every engine reduces in the same
-        # order (greedy outputs compare bit for bit) and two engines do not fight over one core.
+        # NOTE: one OMP thread per engine, so every engine reduces in the same order (greedy outputs
+        # compare bit for bit). NixlConnector re-pins its engine's worker to the last core of each
+        # NUMA node on the CPU build (vLLM's nixl/base_worker.py), whatever this says.
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(omp_core))
     else:
         env["CUDA_VISIBLE_DEVICES"] = str(device)
@@ -173,7 +175,7 @@ def engine_env(platform: Platform, base: dict[str, str], device: int | None, sid
 
 
 def start_engine(platform: Platform, role: Role, kvbm: bool, base_env: dict[str, str], log_dir: Path,
-                 kvbm_extra: dict[str, Any] | None = None) -> Engine:
+                 kvbm_extra: dict[str, Any] | None = None) -> Server:
     """Start one OpenAI server for ``role`` (not waiting for it: see :func:`wait_http`)."""
     port = free_port()
     device = platform.devices[1 if role is Role.DECODE else 0]
@@ -187,13 +189,14 @@ def start_engine(platform: Platform, role: Role, kvbm: bool, base_env: dict[str,
     if ktc is not None:
         cmd += ["--kv-transfer-config", json.dumps(ktc)]
     env = engine_env(platform, base_env, device, free_port(), omp_core=1 if role is Role.DECODE else 0)
-    log = log_dir / f"{role.value}{'-kvbm' if kvbm else ''}.log"
+    name = f"{role.value}{'-kvbm' if kvbm else ''}"
+    log = log_dir / f"{name}.log"
     with open(log, "ab") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    return Engine(role, f"http://127.0.0.1:{port}", proc, log)
+    return Server(name, f"http://127.0.0.1:{port}", proc, log)
 
 
-def start_proxy(platform: Platform, prefill: Engine, decode: Engine, log_dir: Path) -> Engine:
+def start_proxy(platform: Platform, prefill: Server, decode: Server, log_dir: Path) -> Server:
     port = free_port()
     cmd = [platform.python, "-m", "kvbm_client.tools.disagg_proxy", "--port", str(port),
            "--prefill", prefill.url, "--decode", decode.url]
@@ -202,7 +205,7 @@ def start_proxy(platform: Platform, prefill: Engine, decode: Engine, log_dir: Pa
     log = log_dir / "proxy.log"
     with open(log, "ab") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    return Engine(Role.AGGREGATED, f"http://127.0.0.1:{port}", proc, log)
+    return Server("proxy", f"http://127.0.0.1:{port}", proc, log)
 
 
 class Deployment:
@@ -219,8 +222,8 @@ class Deployment:
         self.platform, self.system, self.log_dir = platform, system, log_dir
         self._kvbm_env = kvbm_env
         self._kvbm_extra = kvbm_extra
-        self.engines: dict[Role, Engine] = {}
-        self.proxy: Engine | None = None
+        self.engines: dict[Role, Server] = {}
+        self.proxy: Server | None = None
         self._stack = ExitStack()
 
     def __enter__(self) -> "Deployment":
@@ -256,7 +259,7 @@ class Deployment:
         return self.proxy.url if self.proxy is not None else self.engines[Role.AGGREGATED].url
 
     @property
-    def caching_engine(self) -> Engine:
+    def caching_engine(self) -> Server:
         """The engine whose prompt tokens kvbm may serve (aggregated, or prefill)."""
         return self.engines.get(Role.PREFILL) or self.engines[Role.AGGREGATED]
 
