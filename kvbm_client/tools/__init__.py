@@ -1,0 +1,1 @@
+"""Small stand-alone programs that serve beside kvbm (no daemon imports them)."""
