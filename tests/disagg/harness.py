@@ -36,13 +36,12 @@ REPO = Path(__file__).resolve().parents[2]
 KVBM_CONNECTOR = {"kv_connector": "KvbmConnector", "kv_connector_module_path": "kvbm_client.connectors.vllm",
                   "kv_role": "kv_both"}
 SERVED_NAME = "model"
-#: Both roles of a 1P1D pair. NOTE: NixlConnector refuses a handshake between engines whose
-#: "compatibility hash" differs, and the hash includes whether the hybrid KV cache manager (HMA)
-#: is on. vLLM turns HMA off for a MultiConnector with a child that does not subclass SupportsHMA
-#: (KvbmConnector, today) and leaves it on for NixlConnector alone: the decode engine then fails
-#: every handshake and silently recomputes each prompt. Turning HMA off on both sides keeps them
-#: equal (no effect on models whose layers are all full attention).
-DISAGG_ENGINE_ARGS = ("--disable-hybrid-kv-cache-manager",)
+#: Extra engine flags both roles of a 1P1D pair need. NOTE: NixlConnector refuses a handshake
+#: between engines whose "compatibility hash" differs, and the hash includes whether the hybrid
+#: KV cache manager (HMA) is on; vLLM keeps it on for a MultiConnector only if every child
+#: subclasses SupportsHMA. KvbmConnector does (tests/disagg/test_hma_agreement.py), so the
+#: prefill and decode engines agree without flags.
+DISAGG_ENGINE_ARGS: tuple[str, ...] = ()
 
 
 class Role(enum.Enum):

@@ -7,13 +7,13 @@ switches HMA off by itself for a connector config that does not support it
 subclasses ``SupportsHMA``". ``KvbmConnector`` does not, so the prefill line (MultiConnector of
 NixlConnector and KvbmConnector) switches HMA off and the decode line (NixlConnector) keeps it
 on: every handshake fails and the decode engine recomputes each prompt. The documented lines
-pass ``--disable-hybrid-kv-cache-manager`` to both engines until the connector is fixed.
+passed ``--disable-hybrid-kv-cache-manager`` to both engines until the connector was fixed.
 
 The fix (``kvbm_client/connectors/vllm/connector.py``): ``class KvbmConnector(KVConnectorBase_V1,
 SupportsHMA)`` with ``request_finished_all_groups(request, block_ids)`` returning
 ``self.request_finished(request, block_ids[0])`` when ``len(block_ids) == 1``, and kvbm disabled
 (a warning, no loads or stores) when the engine's ``kv_cache_config`` has more than one KV cache
-group, since the connector moves group 0's blocks only. This test then passes: remove its xfail.
+group, since the connector moves group 0's blocks only. Without the fix this test fails.
 """
 from __future__ import annotations
 
@@ -58,8 +58,6 @@ def test_the_probe_sees_what_vllm_decides(hma):
     assert hma["prefill"] is False or hma["aggregated"] is True, "a MultiConnector supports HMA only if every child does"
 
 
-@pytest.mark.xfail(strict=True, reason="KvbmConnector is not SupportsHMA yet: the prefill engine turns HMA off "
-                                       "(see the module docstring for the fix)")
 def test_prefill_and_decode_configs_agree_on_hma(hma):
     assert hma["prefill"] == hma["decode"], "the prefill engine would switch HMA off and the decode engine keep it on"
     assert hma["aggregated"], "KvbmConnector alone does not support HMA"

@@ -12,6 +12,7 @@ forward has run, so stores wait on a CUDA event first (``worker.py``).
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 log = logging.getLogger("kvbm.connector")
 
@@ -94,3 +95,31 @@ def gpu_region_spec(tensors):
 def is_cuda(vllm_config) -> bool:
     device = str(getattr(getattr(vllm_config, "device_config", None), "device", "cpu"))
     return device.startswith("cuda")
+
+
+def kv_cache_layout(vllm_config: Any) -> str:
+    """The engine's KV cache layout (``NHD``, ``HND``, …): the byte order inside a page, so
+    it is part of kvbm's namespace (a NIXL prefill engine runs HND beside NHD engines). vLLM
+    0.32 resolves it in the engine core before the scheduler exists
+    (``cache_config.kv_cache_layout``); 0.26 answers through a global function."""
+    layout = getattr(getattr(vllm_config, "cache_config", None), "kv_cache_layout", None)
+    if layout:
+        return str(getattr(layout, "name", layout))
+    try:
+        from vllm.v1.attention.backends.utils import get_kv_cache_layout  # vLLM 0.26
+        return str(get_kv_cache_layout())
+    except Exception:  # noqa: BLE001 - any vLLM that cannot say: one shared default name
+        return "default"
+
+
+def namespace(vllm_config: Any) -> str:
+    """What must be equal for two engines' blocks to be the same bytes: the model, its dtype,
+    the KV cache dtype (fp8 KV differs from bf16), the page layout and the block size."""
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    return (f"{model.model}|{model.dtype}|kv={getattr(cache, 'cache_dtype', 'auto')}|"
+            f"{kv_cache_layout(vllm_config)}|{cache.block_size}")
+
+
+def kv_cache_groups(kv_cache_config: Any) -> int:
+    """How many KV cache groups the engine has (hybrid models: more than one; 0: not known)."""
+    return len(getattr(kv_cache_config, "kv_cache_groups", None) or ())

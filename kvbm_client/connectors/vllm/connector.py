@@ -15,6 +15,12 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
+try:  # the hybrid KV cache manager's interface (vLLM 0.26 and later)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+except ImportError:  # pragma: no cover - older vLLM
+    class SupportsHMA:  # type: ignore[no-redef]
+        """Stands in where vLLM has no hybrid KV cache manager."""
+
 from ...ids import EngineBlockId
 from ..core.settings import ConnectorSettings, worker_ids
 from . import compat
@@ -25,17 +31,28 @@ from .worker import KvbmConnectorWorker, region_from_kv_caches
 log = logging.getLogger("kvbm.connector")
 
 
-class KvbmConnector(KVConnectorBase_V1):
-    """The role facade vLLM loads (one per role: scheduler in the EngineCore, worker per rank)."""
+class KvbmConnector(KVConnectorBase_V1, SupportsHMA):
+    """The role facade vLLM loads (one per role: scheduler in the EngineCore, worker per rank).
+
+    NOTE: it declares ``SupportsHMA`` so that vLLM keeps the hybrid KV cache manager on when
+    kvbm is composed with other connectors (``MultiConnector`` turns it off unless every child
+    supports it, and NIXL's handshake then fails between a prefill engine with kvbm and a
+    decode engine without). kvbm moves the blocks of one KV cache group: an engine with
+    several groups (a hybrid model) runs without kvbm, with a warning.
+    """
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         compat.check_version()
         ktc = vllm_config.kv_transfer_config
         extra = dict(getattr(ktc, "kv_connector_extra_config", None) or {})
-        model = vllm_config.model_config
-        namespace = f"{model.model}|{model.dtype}|{vllm_config.cache_config.block_size}"
-        self._settings = ConnectorSettings.from_extra(extra, namespace)
+        self._settings = ConnectorSettings.from_extra(extra, compat.namespace(vllm_config))
+        groups = compat.kv_cache_groups(kv_cache_config)
+        #: False for an engine kvbm cannot serve (several KV cache groups): every hook is neutral
+        self._enabled = groups <= 1
+        if not self._enabled:
+            log.warning("kvbm: this engine has %d KV cache groups (a hybrid model); kvbm serves models "
+                        "with one group, so this engine runs without kvbm", groups)
         self._block_size = vllm_config.cache_config.block_size
         self._scheduler: KvbmConnectorScheduler | None = None
         self._worker: KvbmConnectorWorker | None = None
@@ -77,6 +94,8 @@ class KvbmConnector(KVConnectorBase_V1):
         return self._shm
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        if not self._enabled:
+            return
         if compat.is_cuda(self._vllm_config):
             self._register_gpu(list(kv_caches.values()))
             return
@@ -90,6 +109,8 @@ class KvbmConnector(KVConnectorBase_V1):
         self._register_gpu([kv_cache])
 
     def _register_gpu(self, tensors: list) -> None:
+        if not self._enabled:
+            return
         try:
             spec = compat.gpu_region_spec(tensors)
         except ValueError as exc:
@@ -122,6 +143,8 @@ class KvbmConnector(KVConnectorBase_V1):
             self._worker_role.start_stores(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if not self._enabled:
+            return None, None
         return self._worker_role.finished(self._meta())
 
     def get_block_ids_with_load_errors(self) -> set[EngineBlockId]:
@@ -135,16 +158,30 @@ class KvbmConnector(KVConnectorBase_V1):
 
     # ==== Scheduler-side methods ====
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if not self._enabled:
+            return 0, False
         return self._scheduler_role.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        self._scheduler_role.update_state_after_alloc(request, blocks, num_external_tokens)
+        if self._enabled:
+            self._scheduler_role.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KvbmConnectorMetadata:
+        if not self._enabled:
+            return KvbmConnectorMetadata()
         return self._scheduler_role.build_connector_meta(scheduler_output)
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
+        if not self._enabled:
+            return False, None
         return self._scheduler_role.request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+        """vLLM's hybrid-manager form of :meth:`request_finished` (one list per KV cache group;
+        kvbm serves engines with one group)."""
+        if not self._enabled or len(block_ids) != 1:
+            return False, None
+        return self.request_finished(request, block_ids[0])
 
     # ==== Both ====
     def shutdown(self) -> None:
