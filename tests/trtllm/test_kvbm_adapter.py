@@ -6,6 +6,7 @@ import json
 import mmap
 import os
 import pickle
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -24,13 +25,15 @@ from kvbm_client.regions import LayerSpec
 from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector import RequestData, SchedulerOutput
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
 from tensorrt_llm.bindings import LlmRequestState
-from tensorrt_llm.llmapi.llm_args import KvCacheConfig, TorchLlmArgs, _ParallelConfig
+from tensorrt_llm.llmapi.llm_args import KvCacheConfig, KvCacheConnectorConfig, TorchLlmArgs, _ParallelConfig
 
 from .connector_runtime import BoundRequestView
+from .driver_setup import ConnectorFactories
 from .paged_kv import PagedKvCache
 from .scenarios import GEOMETRY
 
 B = 4
+REPO = Path(__file__).resolve().parents[2]
 
 
 def llm_args(tp: int = 1, rank: int = 0, **kv) -> TorchLlmArgs:
@@ -73,6 +76,16 @@ def test_the_guides_config_draws_no_warning_and_each_departure_one():
                        cuda_graph_config=object())
     assert [w.split(" ")[0] for w in config_warnings(bad)] == [
         "kv_cache_config.enable_block_reuse", "kv_cache_config.enable_partial_reuse", "cuda_graph_config"]
+
+
+def test_the_deploy_config_names_these_classes_with_the_guides_settings():
+    yaml = pytest.importorskip("yaml")
+    config = yaml.safe_load((REPO / "deploy/trtllm/kvbm_llm_api_config.yaml").read_text())
+    factories = ConnectorFactories.from_config(KvCacheConnectorConfig(**config["kv_connector_config"]))
+    assert (factories.scheduler, factories.worker) == (KvbmConnectorScheduler, KvbmConnectorWorker)
+    args = TorchLlmArgs(kv_cache_config=KvCacheConfig(**config["kv_cache_config"]),
+                        cuda_graph_config=config["cuda_graph_config"])
+    assert config["backend"] == "pytorch" and config_warnings(args) == []
 
 
 # ---------------------------------------------------------------- the KV region
@@ -253,6 +266,20 @@ def test_asynchronous_ids_are_returned_once_and_only_after_they_were_passed_in()
     assert ids.passed([5], [7]) == ["5"]
     assert ids.report(["5"], []) == ([5], [7])
     assert ids.report(["5"], ["7"]) == ([], [])
+
+
+def test_a_request_cancelled_while_its_load_runs_keeps_its_blocks_until_the_load_is_done(options):
+    options(load_mode="async")
+    role = scheduler(FakeLeader(stored=4))
+    req = LlmRequest(9, 4, list(range(21)))
+    assert role.get_num_new_matched_tokens(BoundRequestView(req), 0) == (4 * B, True)
+    role.update_state_after_alloc(req, list(range(6)))
+    role.build_connector_meta(SchedulerOutput())  # parked
+    assert role.request_finished(req, list(range(6))) is True, "freed while the daemon may write into them"
+    ids = AsyncIds()
+    ids.passed([9], [9])
+    assert ids.report(["9"], []) == ([], []), "reported saved before its load settled"
+    assert ids.report([], ["9"]) == ([9], [9])
 
 
 class FakeWorkerCore:

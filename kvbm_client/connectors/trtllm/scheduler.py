@@ -18,7 +18,8 @@ this adapter translates TensorRT-LLM's calls (``tests/trtllm/TRTLLM_API.md`` §3
    :class:`~kvbm_client.connectors.core.StepPlan` is the metadata (picklable; a new object
    every step, never touched after it is returned).
 4. ``request_finished(request, cache_block_ids)``: True keeps the blocks until every rank's
-   worker role reports the request's stores done (``get_finished``).
+   worker role reports the request's stores done (``get_finished``), and a request cancelled
+   while parked for its asynchronous load until the load settled.
 
 Requests that TensorRT-LLM terminates without ``request_finished`` (``_handle_errors`` fails
 every active request) are found by their finished state and dropped like preempted ones: the
@@ -61,6 +62,8 @@ class _Tracked:
     request: Any = None
     #: consecutive builds that found the request finished without ``request_finished``
     strikes: int = 0
+    #: parked for an asynchronous load and not scheduled since (the load may still be writing)
+    parked: bool = False
 
 
 class KvbmConnectorScheduler(KvCacheConnectorScheduler):
@@ -108,6 +111,7 @@ class KvbmConnectorScheduler(KvCacheConnectorScheduler):
         if num_tokens <= 0:
             return 0, False
         self._external[rid] = num_tokens
+        tracked.parked = asynchronous
         return num_tokens, asynchronous
 
     # ------------------------------------------------------------------ 2. allocation
@@ -141,6 +145,7 @@ class KvbmConnectorScheduler(KvCacheConnectorScheduler):
             if tracked is None:
                 continue
             tracked.view.catch_up(data.new_tokens)
+            tracked.parked = False
             self.core.assign_blocks(rid, data.new_block_ids, replace=True)
             computed[rid] = data.computed_position + self._external.get(rid, 0) + data.num_scheduled_tokens
         for data in so.cached_requests:
@@ -179,11 +184,13 @@ class KvbmConnectorScheduler(KvCacheConnectorScheduler):
 
     # ------------------------------------------------------------------ 4. end
     def request_finished(self, request: Any, cache_block_ids: list[int]) -> bool:
+        """True (keep the blocks) when stores may read them, or when the request ends while
+        parked for its asynchronous load (cancelled), which may still write into them."""
         rid = request_id(request)
-        self._tracked.pop(rid, None)
+        tracked = self._tracked.pop(rid, None)
         self._external.pop(rid, None)
         try:
-            return self.core.finished(rid)
+            return self.core.finished(rid) or (tracked is not None and tracked.parked)
         except Exception:  # noqa: BLE001 - keeping the blocks is always safe: the workers report them
             log.exception("kvbm: request_finished of %s failed; its blocks are kept until the workers report", rid)
             return True

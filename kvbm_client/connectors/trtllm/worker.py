@@ -42,14 +42,17 @@ log = logging.getLogger("kvbm.connector")
 class AsyncIds:
     """TensorRT-LLM's ids of one rank's asynchronous requests (pure bookkeeping).
 
-    Invariant: an id is returned at most once, and only after TensorRT-LLM passed it in
-    (``finished_gen_req_ids`` / ``started_loading_req_ids``); TensorRT-LLM crashes on any other.
+    Invariants: an id is returned at most once, and only after TensorRT-LLM passed it in
+    (``finished_gen_req_ids`` / ``started_loading_req_ids``), since TensorRT-LLM crashes on any
+    other; a finished request is not returned as saved while its asynchronous load may still
+    write into its blocks (a request cancelled while parked for its load).
     """
 
     def __init__(self) -> None:
         self._saving: dict[RequestId, int] = {}
         self._loading: dict[RequestId, int] = {}
         self._loaded: set[RequestId] = set()  # done before TensorRT-LLM named them
+        self._sent: set[RequestId] = set()  # stores done, held back by a load in flight
 
     def passed(self, finished_gen_req_ids: Iterable[int], started_loading_req_ids: Iterable[int]) -> list[RequestId]:
         """Record the ids handed in; returns the finished ones (the core's delayed frees)."""
@@ -62,12 +65,15 @@ class AsyncIds:
         return finished
 
     def report(self, sent: Iterable[RequestId], loaded: Iterable[RequestId]) -> tuple[list[int], list[int]]:
-        """``get_finished``'s answer for what the core reports done now."""
-        saved = [self._saving.pop(r) for r in sent if r in self._saving]
+        """``get_finished``'s answer, given what the core reports done now."""
         self._loaded.update(loaded)
         ready = [r for r in self._loaded if r in self._loading]
         self._loaded.difference_update(ready)
-        return saved, [self._loading.pop(r) for r in ready]
+        loaded_ids = [self._loading.pop(r) for r in ready]
+        self._sent.update(r for r in sent if r in self._saving)
+        done = [r for r in self._sent if r not in self._loading]
+        self._sent.difference_update(done)
+        return [self._saving.pop(r) for r in done], loaded_ids
 
 
 class KvbmConnectorWorker(KvCacheConnectorWorker):
