@@ -8,6 +8,7 @@ process and finds them as TensorRT-LLM's would: through ``DYN_KVBM_*`` and
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import time
 from pathlib import Path
@@ -31,16 +32,12 @@ TEST_CONNECTOR_OPTIONS = {"retry_s": 0.2, "timeout_s": 5.0, "ready_timeout_s": 6
 
 
 def cuda_unready() -> str | None:
-    """Why the CUDA variants cannot run here (no device, or no cuda-python for the GPU worker), or None."""
-    import torch
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    try:
-        from kvbm_worker.cuda_region import cudart
-        cudart()
-    except ImportError:
-        return "cuda-python is not installed"
-    return None
+    """Why the CUDA variants cannot run here (``tests/gpu/gpu_support.py``'s check), or None."""
+    spec = importlib.util.spec_from_file_location("gpu_support", Path(__file__).parents[1] / "gpu" / "gpu_support.py")
+    assert spec is not None and spec.loader is not None
+    gpu_support = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_support)
+    return gpu_support.cuda_ready()
 
 
 def kvbm_factories() -> ConnectorFactories:

@@ -139,23 +139,20 @@ class KvbmConnectorScheduler(KvCacheConnectorScheduler):
 
     def _build(self, so: SchedulerOutput) -> StepPlan:
         computed: dict[str, int] = {}
-        for data in so.new_requests:
-            rid = RequestId(str(data.request_id))
-            tracked = self._tracked.get(rid)
-            if tracked is None:
-                continue
-            tracked.view.catch_up(data.new_tokens)
-            tracked.parked = False
-            self.core.assign_blocks(rid, data.new_block_ids, replace=True)
-            computed[rid] = data.computed_position + self._external.get(rid, 0) + data.num_scheduled_tokens
-        for data in so.cached_requests:
-            rid = RequestId(str(data.request_id))
-            tracked = self._tracked.get(rid)
-            if tracked is None:
-                continue
-            tracked.view.extend(data.new_tokens)
-            self.core.assign_blocks(rid, data.new_block_ids, replace=False)
-            computed[rid] = data.computed_position + data.num_scheduled_tokens
+        for is_new, batch in ((True, so.new_requests), (False, so.cached_requests)):
+            for data in batch:
+                rid = RequestId(str(data.request_id))
+                tracked = self._tracked.get(rid)
+                if tracked is None:
+                    continue
+                if is_new:  # all its tokens and blocks; kvbm's tokens are not in computed_position
+                    tracked.view.catch_up(data.new_tokens)
+                    tracked.parked = False
+                else:
+                    tracked.view.extend(data.new_tokens)
+                self.core.assign_blocks(rid, data.new_block_ids, replace=is_new)
+                external = self._external.get(rid, 0) if is_new else 0
+                computed[rid] = data.computed_position + external + data.num_scheduled_tokens
         self._external.clear()
         orphans = self._orphans(set(computed))
         plan = self.core.step(computed, preempted=orphans)
