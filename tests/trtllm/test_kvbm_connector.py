@@ -132,6 +132,8 @@ class HeldStoreWorker(KvbmConnectorWorker):
 
     def get_finished(self, finished_gen_req_ids, started_loading_req_ids):
         if finished_gen_req_ids:
+            if self.kv_cache_tensor.is_cuda:  # what the engine enqueued (a free's poison too) ran first
+                torch.cuda.synchronize(self.kv_cache_tensor.device)
             self._gate.set()
             self.core.fence()
             self._gate = threading.Event()
