@@ -142,15 +142,17 @@ class Driver:
         if self._closed:
             return
         self._closed = True
-        if self.runtime is not None:
-            # NOTE: workers first: their stores in flight finish while the scheduler's leader
-            # session, which planned them, is still open.
-            for role in [*self.runtime.workers, self.runtime.scheduler]:
-                shutdown = getattr(role, "shutdown", None)
-                if callable(shutdown):
-                    shutdown()
-        for cache in self.caches:
-            cache.close()
+        try:
+            if self.runtime is not None:
+                # NOTE: workers first: their stores in flight finish while the scheduler's leader
+                # session, which planned them, is still open.
+                for role in [*self.runtime.workers, self.runtime.scheduler]:
+                    shutdown = getattr(role, "shutdown", None)
+                    if callable(shutdown):
+                        shutdown()
+        finally:
+            for cache in self.caches:
+                cache.close()
 
     def __enter__(self) -> "Driver":
         return self
