@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -111,8 +112,11 @@ class Driver:
         """``py_executor_creator`` + ``_maybe_init_kv_connector_manager``: construct, register the
         pools, wait for initialization; returns the end-of-forward callables."""
         self.runtime = ConnectorRuntime(*construct_connectors(connectors, self.llm_args, self.config.geometry.tp_size))
-        for worker, cache in zip(self.runtime.workers, self.caches):
-            worker.register_kv_caches(cache.tensor)
+        # NOTE: every rank is a process of its own in TensorRT-LLM, so the ranks register their
+        # pools concurrently; a worker that waits for its node's pools (planned once every
+        # rank's layout is known) would otherwise wait for the next rank forever.
+        with ThreadPoolExecutor(max_workers=len(self.caches)) as pool:
+            list(pool.map(lambda wc: wc[0].register_kv_caches(wc[1].tensor), zip(self.runtime.workers, self.caches)))
         self.runtime.scheduler.wait_for_initialization()
         return [cb for w in self.runtime.workers if (cb := w.register_forward_pass_callable()) is not None]
 
@@ -138,13 +142,17 @@ class Driver:
         if self._closed:
             return
         self._closed = True
-        if self.runtime is not None:
-            for role in [self.runtime.scheduler, *self.runtime.workers]:
-                shutdown = getattr(role, "shutdown", None)
-                if callable(shutdown):
-                    shutdown()
-        for cache in self.caches:
-            cache.close()
+        try:
+            if self.runtime is not None:
+                # NOTE: workers first: their stores in flight finish while the scheduler's leader
+                # session, which planned them, is still open.
+                for role in [*self.runtime.workers, self.runtime.scheduler]:
+                    shutdown = getattr(role, "shutdown", None)
+                    if callable(shutdown):
+                        shutdown()
+        finally:
+            for cache in self.caches:
+                cache.close()
 
     def __enter__(self) -> "Driver":
         return self

@@ -18,16 +18,8 @@ from .driver import ConnectorFactories, Driver, DriverConfig, DriverStallError
 from .forward_pass import KvMismatchError
 from .kv_model import KvGeometry
 from .store_doubles import InMemoryBlockStore, StoreConnectorWorker, store_connector
-from .workload import Conversations, RequestSpec, Sequential, random_tokens
-
-GEOMETRY = KvGeometry(num_layers=2, num_kv_heads=2, head_dim=8, tokens_per_block=4)
-CONFIG = DriverConfig(geometry=GEOMETRY, num_blocks=40)
-
-
-def chats(tenants=("acme", "globex")):
-    return Conversations(num_conversations=6, rounds=3, system_prompt_len=18, turn_len=7, max_new_tokens=5,
-                         tenants=tenants, concurrency=2)
-
+from .scenarios import CONFIG, GEOMETRY, chats, prefix_then_extension
+from .workload import RequestSpec, Sequential, random_tokens
 
 def run(config=CONFIG, connectors=None, workload=None):
     with Driver(config, connectors) as driver:
@@ -107,20 +99,6 @@ def test_offloaded_blocks_come_back_bit_exact(baseline, load_async, save_async, 
 def test_negative_control_a_corrupting_load_fails_the_byte_check():
     with pytest.raises(KvMismatchError, match=r"1 of \d+ held positions differ.*connector-loaded"):
         run(connectors=store_connector(InMemoryBlockStore(), corrupt=True))
-
-
-def flush(tag: int, n: int = 3):
-    """Unrelated requests that push every cached block out of the 40-block device pool."""
-    return [RequestSpec(f"flush{tag}-{i}", random_tokens((99, tag, i), 60, 1000), 2) for i in range(n)]
-
-
-def prefix_then_extension(salt_b="acme", n=2):
-    """``a`` computes a 22-token prefix; after a flush ``b`` extends it (salt ``salt_b``); after
-    another flush the ``a<i>`` extend it under ``a``'s salt."""
-    base = random_tokens((5,), 22, 1000)
-    return Sequential([RequestSpec("a", base, 2, "acme"), *flush(1),
-                       RequestSpec("b", base + random_tokens((6,), 5, 1000), 2, salt_b), *flush(2),
-                       *[RequestSpec(f"a{i}", base + random_tokens((7, i), 5, 1000), 2, "acme") for i in range(n)]])
 
 
 def test_delayed_free_is_honoured_and_freeing_early_is_caught():
