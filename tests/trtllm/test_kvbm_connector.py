@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.fault_env import fault_env
 
 from kvbm_client.connectors.trtllm import KvbmConnectorScheduler, KvbmConnectorWorker
 from kvbm_client.connectors.trtllm.settings import CONFIG_ENV
@@ -212,8 +213,9 @@ def test_worker_killed_mid_run_fails_loads_cleanly_then_hits_resume(kvbm_node, d
 
 
 def test_negative_control_a_daemon_that_corrupts_loads_is_caught(kvbm_node):
-    """``KVBM_FAULT_CORRUPT_LOADS`` (test-only) makes the CPU worker daemon zero every page it loads."""
-    kvbm_node(KVBM_FAULT_CORRUPT_LOADS="1")
+    """``KVBM_FAULT_CORRUPT_LOADS`` (the test-only fault wrapper) makes the CPU worker daemon zero
+    every page it loads."""
+    kvbm_node(**fault_env(CORRUPT_LOADS="1"))
     with pytest.raises(KvMismatchError, match="connector-loaded"):
         run(CONFIG, chats(), kvbm_factories())
 
