@@ -118,6 +118,9 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--page-kib", type=int, default=16, help="bytes per block per layer, KiB")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--stall-passes", type=int, default=1,
+                        help="passes of the leader-stall benchmark (benchmarks/leader_stall.py: a 65536-key "
+                             "PrepareStore into a full G2 while another client's KeepAlives are timed); 0 skips it")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
     args.host_blocks = max(args.n + 64, args.blocks * (args.reps + 1) + 64)
@@ -136,6 +139,14 @@ def main() -> int:
     print(f"CPU copy, {c['bytes'] / 2**20:.0f} MiB batch: memcpy {c['memcpy_GBps']:.2f} GB/s; "
           f"offload {c['offload_GBps']:.2f} GB/s (ratio {c['offload_ratio_to_memcpy']:.2f}); "
           f"onboard {c['onboard_GBps']:.2f} GB/s (ratio {c['onboard_ratio_to_memcpy']:.2f})")
+    if args.stall_passes:
+        from leader_stall import run_stall_benchmark
+        stall = run_stall_benchmark(passes=args.stall_passes)["median"]
+        result["leader_stall"] = stall
+        for scenario, m in stall.items():
+            print(f"leader stall, 65536-key PrepareStore into a G2 full of {scenario} blocks: PrepareStore "
+                  f"{m['prepare_store_ms']:.0f} ms; another client's KeepAlive p50 {m['keepalive_p50_ms']:.1f}, "
+                  f"p99 {m['keepalive_p99_ms']:.1f}, max {m['keepalive_max_ms']:.1f} ms")
     if args.json:
         Path(args.json).write_text(json.dumps({"provenance": record, **result}, indent=2))
     return 0

@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import platform
-import signal
 import statistics
 import subprocess
 import sys
@@ -29,6 +28,10 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from provenance import provenance
+
+from kvbm_client.local_node import LocalNode, isolated_env
 
 PROBE_INTERVAL = 0.002  # seconds between two KeepAlives of the prober
 
@@ -57,28 +60,15 @@ def _probe(address: str, out: str, stop: str, timeout: str) -> None:
 
 
 # ---------------------------------------------------------------------------- node
-def _node(root: Path, capacity: int, timeout: float) -> tuple[dict[str, str], list[subprocess.Popen[bytes]]]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DYN_KVBM_")}
-    env.update(DYN_KVBM_SOCKET_DIR=str(root / "s"), DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS=str(capacity),
-               DYN_LOG="warning", DYN_KVBM_HOST_FREE_WATERMARK="0",
-               DYN_KVBM_JOB_TIMEOUT_SECS=str(max(60.0, 4 * timeout)), DYN_KVBM_SESSION_TTL_SECS="60",
-               DYN_KVBM_MAX_SESSION_TTL_SECS="600")
-    logs = open(root / "daemons.log", "ab")
-    procs = [subprocess.Popen([sys.executable, "-m", "kvbm_leader"], env=env, stdout=logs, stderr=logs),
-             subprocess.Popen([sys.executable, "-m", "kvbm_worker", "--cpu"], env=env, stdout=logs, stderr=logs)]
-    return env, procs
-
-
-def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+def _node(root: Path, capacity: int, timeout: float) -> LocalNode:
+    """A leader and one CPU worker (not yet started), G2 of ``capacity`` blocks, nothing freed in
+    the background, jobs and sessions that outlive the measured requests."""
+    env = isolated_env(root, {"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": capacity,
+                              "DYN_LOG": os.environ.get("KVBM_STALL_LOG", "warning"),
+                              "DYN_KVBM_HOST_FREE_WATERMARK": 0,
+                              "DYN_KVBM_JOB_TIMEOUT_SECS": max(60.0, 4 * timeout), "DYN_KVBM_SESSION_TTL_SECS": 60,
+                              "DYN_KVBM_MAX_SESSION_TTL_SECS": 600})
+    return LocalNode(env, 1, log_dir=root)
 
 
 def _keys(tag: int, n: int) -> list[bytes]:
@@ -129,11 +119,11 @@ def _measure(stub: Any, session: str, address: str, root: Path, tag: int, keys: 
 def one_pass(root: Path, args: argparse.Namespace) -> dict[str, Any]:
     import grpc
 
-    from kvbm_client import KvbmClient, KvbmConfig, ShmKvBuffer
+    from kvbm_client import KvbmClient, ShmKvBuffer
     from kvbm_client.contract import pb, rpc
-    env, procs = _node(root, args.capacity, args.timeout)
+    node = _node(root, args.capacity, args.timeout).start(wait=False)
     try:
-        config = KvbmConfig.from_env(env)
+        config = node.config()
         client = KvbmClient(config, client_name="stall-filler")
         engine = ShmKvBuffer(args.engine_blocks, 1, args.page_bytes, directory=str(root))
         client.register_region("0", engine.spec())
@@ -151,7 +141,7 @@ def one_pass(root: Path, args: argparse.Namespace) -> dict[str, Any]:
         engine.close()
         return out
     finally:
-        _stop(procs)
+        node.stop()
 
 
 def _median(passes: list[dict[str, Any]], scenario: str) -> dict[str, float]:
@@ -162,23 +152,12 @@ def _median(passes: list[dict[str, Any]], scenario: str) -> dict[str, float]:
 
 
 def _provenance() -> dict[str, Any]:
-    """Where the result came from; ``code`` is the checkout whose kvbm ran (PYTHONPATH, cwd)."""
+    """Where the result came from (``benchmarks/provenance.py``), plus the checkout whose kvbm ran
+    (``code``: it may differ from the benchmark's own tree when PYTHONPATH points at another one,
+    as for a "before" run of an older commit; ``KVBM_BENCH_CODE_COMMIT`` names its commit)."""
     import kvbm_client
-    code = {"code": str(Path(kvbm_client.__file__).resolve().parents[1]),
+    return {**provenance(), "code": str(Path(kvbm_client.__file__).resolve().parents[1]),
             "code_commit": os.environ.get("KVBM_BENCH_CODE_COMMIT")}
-    try:
-        sys.path.insert(0, str(Path(__file__).parent))
-        from provenance import provenance  # type: ignore[import-not-found]
-        return {**dict(provenance()), **code}
-    except ImportError:  # provenance.py not here yet: the essentials
-        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent).stdout.strip()
-        # NOTE: KVBM_BENCH_COMMIT first: a copy of the tree inside another checkout would
-        # otherwise record that checkout's HEAD.
-        return {"commit": os.environ.get("KVBM_BENCH_COMMIT") or head or None, "argv": sys.argv,
-                "host": platform.node(),
-                "cpus": os.cpu_count(), "python": platform.python_version(),
-                "pythonpath": os.environ.get("PYTHONPATH"), **code}
 
 
 def run_stall_benchmark(passes: int = 3, keys: int = 65536, capacity: int = 65536, engine_blocks: int = 4096,

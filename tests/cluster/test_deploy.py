@@ -42,7 +42,7 @@ def test_dashboard_shows_every_seed_metric():
 
 
 def test_env_file_names_only_known_variables():
-    known = {o.env for o in OPTIONS} | {"KVBM_NUM_WORKERS"}
+    known = {o.env for o in OPTIONS} | {"KVBM_NUM_WORKERS", "KVBM_LEADER_ARGS"}
     for line in (DEPLOY / "kvbm.env").read_text().splitlines():
         if line.strip() and not line.startswith("#"):
             assert line.split("=", 1)[0] in known, line

@@ -1,7 +1,6 @@
 """The README's disaggregated-serving lines are the ones the tests and the benchmark run.
 
-Reads the section "Disaggregated serving with kvbm" of README.md (or of the draft in
-tests/disagg/README.md while it is not merged) and checks that every ``--kv-transfer-config``
+Reads the section "Disaggregated serving with kvbm" of README.md and checks that every ``--kv-transfer-config``
 there is valid JSON equal to :func:`harness.kv_transfer_config` of its role, and that both engine
 lines carry :data:`harness.DISAGG_ENGINE_ARGS`.
 """
@@ -21,12 +20,10 @@ SECTION = "## Disaggregated serving with kvbm"
 
 
 def section() -> str:
-    for path in (harness.REPO / "README.md", Path(__file__).with_name("README.md")):
-        text = path.read_text()
-        if SECTION in text:
-            body = text.split(SECTION, 1)[1]
-            return body.split("\n## ", 1)[0]
-    pytest.fail(f"no '{SECTION}' section in README.md or tests/disagg/README.md")
+    text = (harness.REPO / "README.md").read_text()
+    if SECTION not in text:
+        pytest.fail(f"no '{SECTION}' section in README.md")
+    return text.split(SECTION, 1)[1].split("\n## ", 1)[0]
 
 
 def engine_lines(text: str) -> dict[str, str]:
