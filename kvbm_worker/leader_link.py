@@ -1,5 +1,6 @@
 """The worker's link to its node's leader: the attach stream (re-attached after a leader
-restart), the layout, pool plans and ``PoolsReady``, and each job's ``StartTransfer`` and
+restart), the layout, pool plans and ``PoolsReady`` (with the G3 shard index the leader
+restores from, ``DYN_KVBM_DISK_PERSIST``), and each job's ``StartTransfer`` and
 ``CompleteTransfer``.
 
 Runs in the worker daemon, on its event loop. Owns the channel to the leader and what the
@@ -24,6 +25,7 @@ from kvbm_client.contract import pb, rpc
 from kvbm_client.ids import JobId, WorkerId
 from kvbm_client.security import NodeKey
 
+from .allocation import PoolAllocator
 from .errors import JobFailed
 from .runner import JobReport
 
@@ -33,6 +35,8 @@ RPC_TIMEOUT = 10.0
 
 class LinkPeer(Protocol):
     """What the link needs of the worker service (:class:`kvbm_worker.service.WorkerService`)."""
+
+    pools: PoolAllocator  # read for the G3 shard index to report
 
     def layout(self) -> "pb.KvLayout | None": ...
 
@@ -154,9 +158,10 @@ class LeaderLink:
         if result is None:
             return
         ok, error = result
+        index = self._peer.pools.disk_index if ok else ""
         try:
             await self.leader.PoolsReady(pb.PoolsReadyRequest(worker_id=self.worker_id, epoch=plan.epoch, ok=ok,
-                                                              error=error), timeout=RPC_TIMEOUT)
+                                                              error=error, disk_index=index), timeout=RPC_TIMEOUT)
         except grpc.RpcError as exc:
             log.warning("could not report pools ready: %s", exc.details())
 

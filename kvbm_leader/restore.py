@@ -1,0 +1,257 @@
+"""G3 restore: when the node's pools are ready, the blocks of the persistent G3 index whose
+every shard is still on disk become matchable again (``DYN_KVBM_DISK_PERSIST``).
+
+Runs in the leader: :class:`G3Restorer` on the event loop, the reads on the index's writer
+thread (:meth:`~.g3_index.G3Index.call`). Who knows what: the leader's block index knows each
+block's slot and the job that wrote it (its *write tag*); each worker's shard index knows, for
+every slot of its G3 file, the tag of the last write that finished and is durable (a worker
+deletes a slot's row durably before it overwrites the slot). So a block is restored only if
+
+* the node's layout fingerprint (every worker's id, rank, layers, page bytes, dtype) is the
+  one the index was written under (else every row is discarded, with one log line), and
+* its slot lies in the current G3, and
+* EVERY rank's shard index has a row for that slot with the block's tag (a rank whose index
+  is missing, of another layout or not reported restores nothing).
+
+Rows that fail are deleted from the index (they can never match again) and counted in
+``kvbm_g3_discarded_blocks``; the others are added to the registry as ready G3 copies, in
+index order (oldest first, so the LRU keeps its order), a slice at a time, and counted in
+``kvbm_g3_restored_blocks``. Bytes are verified as for any G3 read: a slot whose checksum
+fails when loaded is dropped and counted in ``kvbm_corrupt_blocks``, never served.
+
+While a restore runs the node is not ready (``Membership.restoring``): no store can take a
+slot the restore is about to claim. A reset (a worker lost, a re-plan) makes a running
+restore stop; the next ready epoch restores again.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sqlite3
+import stat
+import time
+from dataclasses import dataclass, field
+from typing import Mapping
+from urllib.parse import quote
+
+import numpy as np
+import numpy.typing as npt
+
+from kvbm_client.g3_files import node_fingerprint, read_meta, shard_fingerprint, worker_files, write_meta
+from kvbm_client.ids import BlockHash, SlotId, Tier, WorkerId
+
+from .events import KvEventFeed
+from .g3_index import G3Index
+from .membership import Membership
+from .metrics import LeaderMetrics
+from .placement import PlacementPolicy
+
+log = logging.getLogger("kvbm.leader")
+SLICE = 4096  # blocks added to the registry between two yields to the event loop
+I64 = npt.NDArray[np.int64]
+Mask = npt.NDArray[np.bool_]
+
+
+@dataclass(frozen=True, slots=True)
+class ShardTags:
+    """One rank's shard index, as the join needs it: which slots have a row, and its tag."""
+
+    has: Mask
+    tags: I64
+
+
+@dataclass(frozen=True, slots=True)
+class ShardSource:
+    """Where one worker's shard index is (its ``PoolsReady``) and the layout it must be of."""
+
+    path: str
+    fingerprint: str
+
+
+def read_shard_tags(worker_id: str, source: ShardSource, num_slots: int) -> ShardTags | str:
+    """One worker's shard index, or why it cannot be used. Reads only; the path must be the
+    worker's own index file for its layout, a regular file of ours."""
+    directory = os.path.dirname(source.path)
+    if not source.path or source.path != worker_files(directory, worker_id, source.fingerprint)[1]:
+        return "no shard index reported" if not source.path else "a shard index of another name or layout"
+    try:
+        st = os.lstat(source.path)
+    except FileNotFoundError:
+        return "its shard index is missing"
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        return "its shard index is not a regular file of ours"
+    try:
+        conn = sqlite3.connect(f"file:{quote(source.path)}?mode=rw", uri=True, timeout=10.0)
+        try:
+            if read_meta(conn).get("fingerprint") != source.fingerprint:
+                return "its shard index is of another layout"
+            rows = conn.execute("SELECT slot, tag FROM shards WHERE slot < ?", (num_slots,)).fetchall()
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:
+        return f"its shard index cannot be read ({exc})"
+    pairs = np.array(rows, np.int64).reshape(-1, 2)
+    has, tags = np.zeros(num_slots, bool), np.zeros(num_slots, np.int64)
+    has[pairs[:, 0]] = True
+    tags[pairs[:, 0]] = pairs[:, 1]
+    return ShardTags(has, tags)
+
+
+def join(slots: I64, tags: I64, num_slots: int,
+         shards: Mapping[WorkerId, ShardTags | str]) -> tuple[Mask, dict[str, int]]:
+    """Which block rows are restorable (pure): in range, the same tag in every rank's shard
+    index, one row per slot (the latest). Returns the mask and, per reason, the rows dropped."""
+    why: dict[str, int] = {}
+
+    def drop(mask: Mask, reason: str, keep: Mask) -> Mask:
+        lost = int((keep & ~mask).sum())
+        if lost:
+            why[reason] = why.get(reason, 0) + lost
+        return keep & mask
+
+    keep = drop((slots >= 0) & (slots < num_slots), "outside the G3 size", np.ones(len(slots), bool))
+    at = np.where(keep, slots, 0)
+    for worker_id, shard in sorted(shards.items()):
+        if isinstance(shard, str):
+            keep = drop(np.zeros(len(slots), bool), f"worker {worker_id}: {shard}", keep)
+        else:
+            keep = drop(shard.has[at] & (shard.tags[at] == tags), f"worker {worker_id}: slot rewritten or "
+                        "its write not finished", keep)
+    rows = np.nonzero(keep)[0][::-1]  # latest first: np.unique keeps the first of each slot
+    _, first = np.unique(slots[rows], return_index=True)
+    latest = np.zeros(len(slots), bool)
+    latest[rows[first]] = True
+    return drop(latest, "slot named twice", keep), why
+
+
+@dataclass(slots=True)
+class Restorable:
+    """What the index holds that may be restored, and what was discarded (and why)."""
+
+    keys: list[BlockHash] = field(default_factory=list)
+    parents: list[BlockHash | None] = field(default_factory=list)
+    slots: list[SlotId] = field(default_factory=list)
+    why: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def discarded(self) -> int:
+        return sum(self.why.values())
+
+
+def read_restorable(conn: sqlite3.Connection, fingerprint: str, num_slots: int,
+                    shards: Mapping[WorkerId, ShardSource]) -> Restorable:
+    """(On the index's writer thread.) The restorable rows; every other row is deleted."""
+    old = read_meta(conn).get("fingerprint")
+    out = Restorable()
+    if old != fingerprint:
+        total = conn.execute("SELECT count(*) FROM blocks").fetchone()[0]
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute("DELETE FROM blocks")
+        write_meta(conn, {"fingerprint": fingerprint})
+        conn.execute("COMMIT")
+        if total:
+            out.why[f"engine layout changed ({old} -> {fingerprint})"] = total
+        return out
+    rows = conn.execute("SELECT rowid, key, parent, slot, tag FROM blocks ORDER BY rowid").fetchall()
+    ids = np.array([(r[0], r[3], r[4]) for r in rows], np.int64).reshape(-1, 3)
+    tags = {w: read_shard_tags(w, s, num_slots) for w, s in shards.items()}
+    keep, out.why = join(ids[:, 1], ids[:, 2], num_slots, tags)
+    gone = ids[~keep, 0].tolist()
+    if gone:
+        conn.execute("BEGIN IMMEDIATE")
+        conn.executemany("DELETE FROM blocks WHERE rowid = ?", ((r,) for r in gone))
+        conn.execute("COMMIT")
+    for i in np.nonzero(keep)[0].tolist():
+        _, key, parent, slot, _ = rows[i]
+        out.keys.append(BlockHash(key))
+        out.parents.append(BlockHash(parent) if parent is not None else None)
+        out.slots.append(SlotId(slot))
+    return out
+
+
+class G3Restorer:
+    """Runs the restore of each ready pool epoch (see the module docstring). Owns the shard
+    index paths the workers reported and the restore task; borrows the rest."""
+
+    def __init__(self, index: G3Index, placement: PlacementPolicy, membership: Membership, feed: KvEventFeed,
+                 metrics: LeaderMetrics) -> None:
+        self.index, self.placement, self.membership = index, placement, membership
+        self.feed, self.metrics = feed, metrics
+        self.shards: dict[WorkerId, str] = {}
+        self._restored_epoch = -1
+        self._task: asyncio.Task[None] | None = None
+
+    def pools_ready(self, worker_id: WorkerId, disk_index: str) -> None:
+        """A worker allocated the current pools; its shard index is at ``disk_index``."""
+        self.shards[worker_id] = disk_index
+        self.index.sized_with = tuple(sorted(p for p in self.shards.values() if p))
+        m = self.membership
+        if not m.pools_ready or m.pools is None or m.pools.epoch == self._restored_epoch:
+            return
+        if self._task is not None:
+            self._task.cancel()  # a restore of an older epoch: its registry is gone
+        epoch = self._restored_epoch = m.restoring = m.pools.epoch
+        self._task = asyncio.ensure_future(self._restore(epoch))
+
+    def _sources(self) -> tuple[str, dict[WorkerId, ShardSource]]:
+        layouts = {w: r.layout for w in self.membership.members
+                   if (r := self.membership.workers.get(w)) is not None and r.layout is not None}
+        prints = {w: shard_fingerprint(lay.num_layers, lay.page_bytes, lay.dtype) for w, lay in layouts.items()}
+        node = node_fingerprint((w, lay.rank, prints[w]) for w, lay in layouts.items())
+        return node, {w: ShardSource(self.shards.get(w, ""), prints[w]) for w in layouts}
+
+    async def _restore(self, epoch: int) -> None:
+        started = time.perf_counter()
+        try:
+            pools, generation = self.membership.pools, self.placement.generation
+            assert pools is not None
+            node, sources = self._sources()
+            found = await self.index.call(lambda conn: read_restorable(conn, node, pools.disk_slots, sources))
+            if self.placement.generation != generation:
+                return  # reset meanwhile: the next ready epoch restores again
+            restored = await self._apply(found, generation)
+            self.metrics.inc("kvbm_g3_restored_blocks", restored)
+            self.metrics.inc("kvbm_g3_discarded_blocks", found.discarded)
+            await self.index.call(self.index.size_now)
+            log.log(logging.WARNING if found.discarded else logging.INFO,
+                    "G3 restored from the persistent index: %d blocks matchable again, %d discarded%s in %.2f s",
+                    restored, found.discarded, " (" + "; ".join(f"{n}: {w}" for w, n in found.why.items()) + ")"
+                    if found.why else "", time.perf_counter() - started)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("G3 restore failed; G3 starts empty")
+        finally:
+            if self.membership.restoring == epoch:
+                self.membership.restoring = None
+
+    async def _apply(self, found: Restorable, generation: int) -> int:
+        """Ready G3 copies for the restorable rows, a slice at a time; returns how many."""
+        reg = self.placement.registry
+        pool = reg.pools.get(Tier.DISK)
+        if pool is None or not found.keys:
+            return 0
+        rows = [i for i, k in enumerate(found.keys) if k not in reg.blocks]
+        taken = pool.allocator.reserve(found.slots[i] for i in rows)
+        rows = [i for i in rows if found.slots[i] in taken]
+        for start in range(0, len(rows), SLICE):
+            if start:
+                await asyncio.sleep(0)
+                if self.placement.generation != generation:
+                    return start  # the registry was replaced: nothing more to add
+            ready = []
+            for i in rows[start:start + SLICE]:
+                key = found.keys[i]
+                reg.add_copy(reg.entry(key, found.parents[i]), Tier.DISK, found.slots[i], None)
+                ready.append((key, Tier.DISK))
+            self.feed.stored(reg, ready)
+        return len(rows)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
