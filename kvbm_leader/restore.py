@@ -116,8 +116,9 @@ def join(slots: I64, tags: I64, num_slots: int,
         if isinstance(shard, str):
             keep = drop(np.zeros(len(slots), bool), f"worker {worker_id}: {shard}", keep)
         else:
-            keep = drop(shard.has[at] & (shard.tags[at] == tags), f"worker {worker_id}: slot rewritten or "
-                        "its write not finished", keep)
+            keep = drop(shard.has[at], f"worker {worker_id}: no record of the slot (write unfinished, or "
+                        "its G3 file or index lost)", keep)
+            keep = drop(shard.tags[at] == tags, f"worker {worker_id}: slot rewritten since", keep)
     rows = np.nonzero(keep)[0][::-1]  # latest first: np.unique keeps the first of each slot
     _, first = np.unique(slots[rows], return_index=True)
     latest = np.zeros(len(slots), bool)

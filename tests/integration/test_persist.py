@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sqlite3
 
+import pytest
+
 from kvbm_client.local_node import LocalNode
 
 from support.persist_blocks import counter, keys_of, load_and_check, store
@@ -85,3 +87,52 @@ def test_g2_and_g3_restart_restores_the_demoted_blocks(make_node):
     client, engines = node.ready_client()
     assert counter(node, "kvbm_g3_restored_blocks") == on_disk
     assert load_and_check(client, engines, keys[:16], range(32, 48)) == 16
+
+
+def test_layout_change_discards_the_index_with_one_log_line(make_node):
+    node = make_node(**PERSIST)
+    client, engines = node.ready_client()  # 4 layers x 2048 bytes
+    keys = keys_of(12)
+    store(client, engines, keys, range(12))
+    old_files = sorted(p.name for p in node.disk_dir.glob("kvbm-g3-w0.*"))
+    restart_engine_layout = dict(num_layers=2, page_bytes=4096)  # same bytes per block, another layout
+    for c in node.clients:
+        c.close()
+    node.clients.clear()
+    LocalNode.stop(node)
+    node.start()
+    client, engines = node.ready_client(**restart_engine_layout)
+    assert client.match(keys).num_matched == 0
+    assert counter(node, "kvbm_g3_restored_blocks") == 0
+    assert counter(node, "kvbm_g3_discarded_blocks") == 12
+    lines = [line for line in (node.root / "leader.log").read_text().splitlines() if "discarded" in line]
+    assert len([line for line in lines if "12 discarded" in line]) == 1
+    assert "engine layout changed" in lines[-1]
+    assert not set(old_files) & {p.name for p in node.disk_dir.iterdir()}, "the old layout's files are removed"
+    # the new layout persists in turn
+    store(client, engines, keys, range(12))
+    restart(node)
+    client, engines = node.ready_client(**restart_engine_layout)
+    assert load_and_check(client, engines, keys, range(20, 32)) == 12
+
+
+@pytest.mark.parametrize("lost", ["idx", "data"])
+def test_tp2_block_needs_every_rank_shard(make_node, lost):
+    node = make_node(num_workers=2, **PERSIST)
+    client, engines = node.ready_client()
+    keys = keys_of(10)
+    store(client, engines, keys, range(10))
+    for c in node.clients:
+        c.close()
+    node.clients.clear()
+    LocalNode.stop(node)
+    for path in node.disk_dir.glob(f"kvbm-g3-w1.*.{lost}*"):  # rank 1's index (with its WAL) or its data file
+        path.unlink()
+    node.start()
+    client, engines = node.ready_client()
+    assert client.match(keys).num_matched == 0
+    assert counter(node, "kvbm_g3_restored_blocks") == 0
+    assert counter(node, "kvbm_g3_discarded_blocks") == 10
+    assert "worker 1: no record of the slot" in (node.root / "leader.log").read_text()
+    store(client, engines, keys, range(10))  # the node keeps working, and rank 0's old shards are rewritten
+    assert load_and_check(client, engines, keys, range(20, 30)) == 10

@@ -64,3 +64,39 @@ def wait_for(predicate, timeout: float = 30.0, what: str = "condition") -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.05)
+
+
+class OffloadLoop:
+    """Offloads batch after batch (each its own chain of keys) on a thread until stopped or
+    until an offload fails (the daemon it needed was killed); remembers every batch offered."""
+
+    def __init__(self, client: KvbmClient, engines: dict[str, ShmKvBuffer], batch: int = 8, seed: int = 100) -> None:
+        import threading
+        self.client, self.engines, self.batch = client, engines, batch
+        self.offered: list[list[BlockHash]] = []
+        self.stored = 0
+        self.error: BaseException | None = None
+        self._seed = seed
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> "OffloadLoop":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        blocks = list(range(self.batch))
+        while not self._stop.is_set():
+            keys = keys_of(self.batch, self._seed + len(self.offered))
+            self.offered.append(keys)
+            try:
+                store(self.client, self.engines, keys, blocks)
+            except BaseException as exc:  # the kill: stop here
+                self.error = exc
+                return
+            self.stored += 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(60)
+        assert not self._thread.is_alive(), "the offload loop did not stop"
