@@ -193,7 +193,9 @@ class G3Restorer:
         if self._task is not None:
             self._task.cancel()  # a restore of an older epoch: its registry is gone
         epoch = self._restored_epoch = m.restoring = m.pools.epoch
-        self._task = asyncio.ensure_future(self._restore(epoch))
+        node, sources = self._sources()
+        self._task = asyncio.ensure_future(self._restore(epoch, self.placement.generation, node, sources,
+                                                         m.pools.disk_slots))
 
     def _sources(self) -> tuple[str, dict[WorkerId, ShardSource]]:
         layouts = {w: r.layout for w in self.membership.members
@@ -202,13 +204,13 @@ class G3Restorer:
         node = node_fingerprint((w, lay.rank, prints[w]) for w, lay in layouts.items())
         return node, {w: ShardSource(self.shards.get(w, ""), prints[w]) for w in layouts}
 
-    async def _restore(self, epoch: int) -> None:
+    async def _restore(self, epoch: int, generation: int, node: str, sources: dict[WorkerId, ShardSource],
+                       num_slots: int) -> None:
+        """Restore pool epoch ``epoch`` into the registry of placement ``generation`` (``node``:
+        the layout fingerprint; ``sources``: every member's shard index)."""
         started = time.perf_counter()
         try:
-            pools, generation = self.membership.pools, self.placement.generation
-            assert pools is not None
-            node, sources = self._sources()
-            found = await self.index.call(lambda conn: read_restorable(conn, node, pools.disk_slots, sources))
+            found = await self.index.call(lambda conn: read_restorable(conn, node, num_slots, sources))
             if self.placement.generation != generation:
                 return  # reset meanwhile: the next ready epoch restores again
             restored = await self._apply(found, generation)

@@ -73,8 +73,8 @@ class ShardIndex:
                 self.conn.execute("DELETE FROM shards WHERE slot >= ?", (num_slots,))
             write_meta(self.conn, {**want, "num_slots": str(num_slots)})
 
-    def _transaction(self) -> "_Tx":
-        return _Tx(self.conn)
+    def _transaction(self, synchronous: str = "FULL") -> "_Tx":
+        return _Tx(self.conn, synchronous)
 
     def load(self) -> tuple[Slots, Sums]:
         """Every recorded slot and its checksum."""
@@ -90,27 +90,25 @@ class ShardIndex:
 
     def insert(self, slots: Slots, tag: int, sums: Sums) -> None:
         """Step 3: rows for slots whose bytes are durable."""
-        self.conn.execute("PRAGMA synchronous=NORMAL")
-        try:
-            with self._transaction():
-                self.conn.executemany("INSERT OR REPLACE INTO shards (slot, tag, sum) VALUES (?, ?, ?)",
-                                      zip(slots.tolist(), (tag,) * len(slots), to_signed(sums.tolist())))
-        finally:
-            self.conn.execute("PRAGMA synchronous=FULL")
+        with self._transaction("NORMAL"):
+            self.conn.executemany("INSERT OR REPLACE INTO shards (slot, tag, sum) VALUES (?, ?, ?)",
+                                  zip(slots.tolist(), (tag,) * len(slots), to_signed(sums.tolist())))
 
     def close(self) -> None:
         self.conn.close()
 
 
 class _Tx:
-    """``BEGIN IMMEDIATE`` … ``COMMIT``, rolled back on error; a SQLite error (a full disk, an
-    I/O error) surfaces as ``OSError`` so the job fails like any other disk failure."""
+    """``BEGIN IMMEDIATE`` … ``COMMIT`` with the given ``synchronous`` level (FULL: the commit
+    fsyncs the WAL), rolled back on error; a SQLite error (a full disk, an I/O error) surfaces
+    as ``OSError`` so the job fails like any other disk failure."""
 
-    def __init__(self, conn: sqlite3.Connection) -> None:
-        self.conn = conn
+    def __init__(self, conn: sqlite3.Connection, synchronous: str) -> None:
+        self.conn, self.synchronous = conn, synchronous
 
     def __enter__(self) -> None:
         try:
+            self.conn.execute(f"PRAGMA synchronous={self.synchronous}")
             self.conn.execute("BEGIN IMMEDIATE")
         except sqlite3.Error as exc:
             raise OSError(f"G3 shard index: {exc}") from exc
