@@ -4,8 +4,8 @@ fingerprints, write tags and the two SQLite schemas.
 Shared by the roles that touch it: each worker writes its own *shard index* (one row per G3
 slot whose bytes are durable: the job that wrote them and their xxh3-64), the leader writes
 the *block index* (one row per ready G3 block: hash, parent, slot and the job that wrote it)
-and joins both at restore, ``kvbm doctor`` reads them. Pure naming rules plus thin
-``sqlite3`` helpers; no role's state lives here.
+and joins both at restore (:func:`join`), ``kvbm doctor`` reads them. Naming rules, thin
+``sqlite3`` helpers and the pure join; no role's state lives here.
 
 Files in ``DYN_KVBM_DISK_CACHE_DIR`` (the prefix differs from the non-persistent
 ``kvbm-disk-cache-<pid>-*`` files, which are removed on stop):
@@ -25,7 +25,15 @@ import hashlib
 import os
 import re
 import sqlite3
-from typing import Iterable, Sequence
+import stat
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+from urllib.parse import quote
+
+import numpy as np
+import numpy.typing as npt
+
+from .ids import WorkerId
 
 PREFIX = "kvbm-g3-"
 LEADER_INDEX = f"{PREFIX}leader.idx"
@@ -130,6 +138,84 @@ def files_bytes(paths: Iterable[str]) -> int:
             except OSError:
                 pass
     return total
+
+
+# ---------------------------------------------------------------------------- the restore join
+Mask = npt.NDArray[np.bool_]
+I64 = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True, slots=True)
+class ShardTags:
+    """One rank's shard index, as the join needs it: which slots have a row, and its tag."""
+
+    has: Mask
+    tags: I64
+
+
+@dataclass(frozen=True, slots=True)
+class ShardSource:
+    """Where one worker's shard index is (its ``PoolsReady``) and the layout it must be of."""
+
+    path: str
+    fingerprint: str
+
+
+def read_shard_tags(worker_id: str, source: ShardSource, num_slots: int) -> ShardTags | str:
+    """One worker's shard index, or why it cannot be used. Reads only; the path must be the
+    worker's own index file for its layout, a regular file of ours."""
+    directory = os.path.dirname(source.path)
+    if not source.path or source.path != worker_files(directory, worker_id, source.fingerprint)[1]:
+        return "no shard index reported" if not source.path else "a shard index of another name or layout"
+    try:
+        st = os.lstat(source.path)
+    except FileNotFoundError:
+        return "its shard index is missing"
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        return "its shard index is not a regular file of ours"
+    try:
+        conn = sqlite3.connect(f"file:{quote(source.path)}?mode=rw", uri=True, timeout=10.0)
+        try:
+            if read_meta(conn).get("fingerprint") != source.fingerprint:
+                return "its shard index is of another layout"
+            rows = conn.execute("SELECT slot, tag FROM shards WHERE slot < ?", (num_slots,)).fetchall()
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:
+        return f"its shard index cannot be read ({exc})"
+    pairs = np.array(rows, np.int64).reshape(-1, 2)
+    has, tags = np.zeros(num_slots, bool), np.zeros(num_slots, np.int64)
+    has[pairs[:, 0]] = True
+    tags[pairs[:, 0]] = pairs[:, 1]
+    return ShardTags(has, tags)
+
+
+def join(slots: I64, tags: I64, num_slots: int,
+         shards: Mapping[WorkerId, ShardTags | str]) -> tuple[Mask, dict[str, int]]:
+    """Which block rows are restorable (pure): in range, the same tag in every rank's shard
+    index, one row per slot (the latest). Returns the mask and, per reason, the rows dropped."""
+    why: dict[str, int] = {}
+
+    def drop(mask: Mask, reason: str, keep: Mask) -> Mask:
+        lost = int((keep & ~mask).sum())
+        if lost:
+            why[reason] = why.get(reason, 0) + lost
+        return keep & mask
+
+    keep = drop((slots >= 0) & (slots < num_slots), "outside the G3 size", np.ones(len(slots), bool))
+    at = np.where(keep, slots, 0)
+    for worker_id, shard in sorted(shards.items()):
+        if isinstance(shard, str):
+            keep = drop(np.zeros(len(slots), bool), f"worker {worker_id}: {shard}", keep)
+        else:
+            keep = drop(shard.has[at], f"worker {worker_id}: no record of the slot (write unfinished, or "
+                        "its G3 file or index lost)", keep)
+            keep = drop(shard.tags[at] == tags, f"worker {worker_id}: slot rewritten since", keep)
+    rows = np.nonzero(keep)[0][::-1]  # latest first: np.unique keeps the first of each slot
+    _, first = np.unique(slots[rows], return_index=True)
+    latest = np.zeros(len(slots), bool)
+    latest[rows[first]] = True
+    return drop(latest, "slot named twice", keep), why
 
 
 def remove_index(path: str) -> None:

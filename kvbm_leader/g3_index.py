@@ -22,6 +22,7 @@ index), ``close()`` applies what is queued, stops the thread and closes the file
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import logging
 import os
@@ -32,7 +33,7 @@ import time
 from typing import Callable, TypeVar
 
 from kvbm_client.errors import KvbmConfigError
-from kvbm_client.g3_files import BLOCK_SCHEMA, connect, files_bytes, write_tag
+from kvbm_client.g3_files import BLOCK_SCHEMA, SIDE_FILES, connect, files_bytes, write_tag
 from kvbm_client.ids import BlockHash, JobId, SlotId
 
 from .metrics import LeaderMetrics
@@ -93,7 +94,7 @@ class G3Index:
             raise KvbmConfigError(f"{path} is locked by another kvbm leader (one node per "
                                   "DYN_KVBM_DISK_CACHE_DIR with DYN_KVBM_DISK_PERSIST)") from None
         try:
-            self._conn = connect(path, BLOCK_SCHEMA)
+            self._conn = self._open()
         except sqlite3.Error as exc:
             os.close(self._lock_fd)
             raise KvbmConfigError(f"cannot open the G3 index {path}: {exc}") from None
@@ -102,6 +103,20 @@ class G3Index:
         self._thread = threading.Thread(target=self._serve, name="kvbm-g3-index", daemon=True)
         self._thread.start()
         self._closed = False
+
+    def _open(self) -> sqlite3.Connection:
+        try:
+            return connect(self.path, BLOCK_SCHEMA)
+        except sqlite3.DatabaseError as exc:
+            if isinstance(exc, sqlite3.OperationalError):  # busy, full, I/O: not the file's fault
+                raise
+            # NOTE: not a database any more: its rows are lost (G3 starts empty), never trusted
+            log.warning("G3 index %s cannot be read (%s); starting an empty one", self.path, exc)
+            for side in SIDE_FILES:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.path + side)
+            os.ftruncate(self._lock_fd, 0)
+            return connect(self.path, BLOCK_SCHEMA)
 
     # ------------------------------------------------------------------ journal (event loop)
     def stored(self, key: BlockHash, parent: BlockHash | None, slot: SlotId, job: JobId) -> None:

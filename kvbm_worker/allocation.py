@@ -132,8 +132,8 @@ class PoolAllocator:
             block_bytes = layout.num_layers * layout.page_bytes
             host_geo = SlotGeometry.of(block_bytes, plan.host_slots)
             disk_geo = SlotGeometry.of(block_bytes, plan.disk_slots)
-            persist = PersistAs(self.worker_id, shard_fingerprint(layout.num_layers, layout.page_bytes, layout.dtype)) \
-                if self.config.disk_persist else None
+            persist = PersistAs(self.worker_id, shard_fingerprint(layout.num_layers, layout.page_bytes, layout.dtype),
+                                self.config.disk_persist_sync) if self.config.disk_persist else None
             old = self.current
             if old is not None and old.fits(host_geo, disk_geo, persist):
                 # same geometry: keep the memory; its contents are now void (G3 too, unless persistent)

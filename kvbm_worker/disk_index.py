@@ -10,13 +10,18 @@ bytes in the data file are durable and are exactly those job ``tag`` wrote, whos
 ``sum``. Kept by the write order of :class:`PersistentSlotSums`:
 
 1. ``forget`` (before a slot is overwritten): its row is deleted and the deletion committed
-   with ``synchronous=FULL`` (the WAL is fsynced), so a torn write is never indexed, even
-   across a power loss;
-2. the bytes are written (the mover), then the data file is fdatasync'ed;
+   (with ``sync``: ``synchronous=FULL``, the WAL is fsynced), so a torn write is never indexed;
+2. the bytes are written (the mover), then (with ``sync``) the data file is fdatasync'ed;
 3. ``record``: the rows are written (``synchronous=NORMAL``: a row lost to a power loss only
-   loses a block, the next FULL commit makes it durable).
+   loses a block; the next FULL commit makes it durable).
 
 A failure at any step raises before the next: the slot has no row, its block is not indexed.
+
+NOTE: every committed transaction survives the death of the process (the WAL is in the page
+cache) and every O_DIRECT write has reached the device when it returns, so without ``sync``
+(``DYN_KVBM_DISK_PERSIST_SYNC=false``) the order above still holds across kill -9 and OS
+crashes; ``sync`` adds the device flushes that make it hold across a power loss. Either way a
+block whose bytes were lost fails its checksum when read and is dropped, never served.
 """
 from __future__ import annotations
 
@@ -83,9 +88,10 @@ class ShardIndex:
         sums = np.fromiter((to_unsigned(r[1]) for r in rows), np.uint64, len(rows))
         return slots, sums
 
-    def delete(self, slots: Slots) -> None:
-        """Step 1 of the module docstring: the rows are gone, durably, when this returns."""
-        with self._transaction():
+    def delete(self, slots: Slots, sync: bool = True) -> None:
+        """Step 1 of the module docstring: the rows are gone (with ``sync``: on the device) when
+        this returns."""
+        with self._transaction("FULL" if sync else "NORMAL"):
             self.conn.executemany("DELETE FROM shards WHERE slot = ?", ((s,) for s in slots.tolist()))
 
     def insert(self, slots: Slots, tag: int, sums: Sums) -> None:
@@ -131,21 +137,23 @@ class PersistentSlotSums(SlotSums):
     (what every read verifies against) kept equal to the shard index, in the write order of
     the module docstring. Borrows the index and the data file's descriptor."""
 
-    def __init__(self, num_slots: int, block_bytes: int, index: ShardIndex, data_fd: int) -> None:
+    def __init__(self, num_slots: int, block_bytes: int, index: ShardIndex, data_fd: int, *,
+                 sync: bool = True) -> None:
         super().__init__(num_slots, block_bytes)
-        self.index, self.data_fd = index, data_fd
+        self.index, self.data_fd, self.sync = index, data_fd, sync
         slots, sums = index.load()
         super().record(slots, sums)
 
     def forget(self, slots: Slots) -> None:
         held = Slots(slots[self.valid[slots]])
         if held.size:
-            self.index.delete(held)  # durable before the first byte of the slot changes
+            self.index.delete(held, self.sync)  # committed before the first byte of the slot changes
         super().forget(slots)
 
     def record(self, slots: Slots, sums: Sums, writer: JobKey | None = None) -> None:
         assert writer is not None, "a persistent G3 slot is recorded with the job that wrote it"
-        os.fdatasync(self.data_fd)  # the bytes are durable before their row exists
+        if self.sync:
+            os.fdatasync(self.data_fd)  # the bytes are on the device before their row exists
         self.index.insert(slots, write_tag(writer.leader_id, writer.job_id), sums)
         super().record(slots, sums)
 

@@ -84,10 +84,12 @@ class HostPool:
 @dataclass(frozen=True, slots=True)
 class PersistAs:
     """``DYN_KVBM_DISK_PERSIST``: the G3 file of ``worker_id`` for a shard layout (its name is
-    stable, :func:`kvbm_client.g3_files.worker_files`), kept with its shard index on stop."""
+    stable, :func:`kvbm_client.g3_files.worker_files`), kept with its shard index on stop;
+    ``sync``: flushed to the device around every write (``DYN_KVBM_DISK_PERSIST_SYNC``)."""
 
     worker_id: str
     fingerprint: str
+    sync: bool = True
 
 
 class DiskPool:
@@ -145,7 +147,8 @@ class DiskPool:
             os.ftruncate(self.fd, 0 if fresh else self.geometry.total_bytes)
         self._size_file(0 if fresh else min(size, self.geometry.total_bytes), zerofill_fallback)
         self.index = self._open_index(fresh)
-        self.sums = PersistentSlotSums(self.geometry.num_slots, self.geometry.block_bytes, self.index, self.fd)
+        self.sums = PersistentSlotSums(self.geometry.num_slots, self.geometry.block_bytes, self.index, self.fd,
+                                       sync=self.persist.sync)
         log.info("G3 file %s %s: %d slots, %d with durable contents", self.path,
                  "created" if fresh else "reopened", self.geometry.num_slots, int(self.sums.valid.sum()))
 

@@ -22,7 +22,8 @@ from kvbm_leader.membership import Layout, Membership, WorkerRecord
 from kvbm_leader.metrics import LeaderMetrics
 from kvbm_leader.placement import PlacementPolicy
 from kvbm_leader.policies.frequency import FrequencyFilter
-from kvbm_leader.restore import G3Restorer, ShardTags, join
+from kvbm_client.g3_files import ShardTags, join
+from kvbm_leader.restore import G3Restorer
 from kvbm_worker.disk_index import ShardIndex
 from kvbm_worker.id_arrays import Slots
 
@@ -225,3 +226,12 @@ def test_a_second_leader_on_the_same_index_is_refused(tmp_path: Path) -> None:
     with pytest.raises(KvbmConfigError, match="locked by another kvbm leader"):
         G3Index(leader_index_path(str(tmp_path)), "b", LeaderMetrics())
     run(first.close())
+
+
+def test_a_corrupt_index_is_replaced_by_an_empty_one(tmp_path: Path) -> None:
+    path = leader_index_path(str(tmp_path))
+    with open(path, "wb") as f:
+        f.write(b"not a database" * 500)
+    index = G3Index(path, "a", LeaderMetrics())
+    assert run(index.call(lambda conn: conn.execute("SELECT count(*) FROM blocks").fetchone()[0])) == 0
+    run(index.close())
