@@ -65,7 +65,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("disk_cache_override_num_blocks", "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS", _opt_int, None,
            "Exact number of G3 blocks; overrides DYN_KVBM_DISK_CACHE_GB."),
     Option("disk_cache_dir", "DYN_KVBM_DISK_CACHE_DIR", str, "/tmp",
-           "Directory of the G3 files kvbm-disk-cache-*."),
+           "Directory of the G3 files (kvbm-disk-cache-*; kvbm-g3-* with DYN_KVBM_DISK_PERSIST)."),
     Option("disable_disk_offload_filter", "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER", parse_bool, False,
            "Offload every block evicted from G2 to G3, not only blocks with frequency >= 2."),
     Option("leader_worker_init_timeout_secs", "DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS", float, 1800.0,

@@ -42,6 +42,7 @@ log = logging.getLogger("kvbm.leader")
 T = TypeVar("T")
 BATCH = 65536  # changes applied in one transaction at most
 SIZE_EVERY = 1.0  # seconds between two updates of kvbm_g3_index_bytes
+CLOSE_TIMEOUT = 10.0  # seconds close() waits for the writer to apply what is queued
 _STOP = object()
 
 Put = tuple[BlockHash, "BlockHash | None", SlotId, JobId]
@@ -195,6 +196,10 @@ class G3Index:
             return
         self._closed = True
         self._ops.put(_STOP)
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, CLOSE_TIMEOUT)
+        if self._thread.is_alive():  # a hung disk: the thread still uses the connection; it dies with us
+            log.warning("G3 index: the writer did not finish within %gs; its last changes may be lost",
+                        CLOSE_TIMEOUT)
+            return
         self._conn.close()
         os.close(self._lock_fd)

@@ -165,12 +165,12 @@ class G3Restorer:
                 await asyncio.sleep(0)
                 if self.placement.generation != generation:
                     return start  # the registry was replaced: nothing more to add
-            ready = []
+            blocks = []
             for i in rows[start:start + SLICE]:
-                key = found.keys[i]
-                reg.add_copy(reg.entry(key, found.parents[i]), Tier.DISK, found.slots[i], None)
-                ready.append((key, Tier.DISK))
-            self.feed.stored(reg, ready)
+                key, parent = found.keys[i], found.parents[i]
+                reg.add_copy(reg.entry(key, parent), Tier.DISK, found.slots[i], None)
+                blocks.append((key, parent))
+            self.feed.events.stored(blocks, Tier.DISK)  # just added, all ready: no registry pass
         return len(rows)
 
     async def close(self) -> None:

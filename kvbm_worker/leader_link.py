@@ -22,11 +22,12 @@ import grpc
 from kvbm_client.channels import open_aio_channel
 from kvbm_client.config import KvbmConfig
 from kvbm_client.contract import pb, rpc
-from kvbm_client.ids import JobId, WorkerId
+from kvbm_client.ids import WorkerId
 from kvbm_client.security import NodeKey
 
 from .allocation import PoolAllocator
 from .errors import JobFailed
+from .jobs import JobKey
 from .runner import JobReport
 
 log = logging.getLogger("kvbm.worker")
@@ -177,13 +178,21 @@ class LeaderLink:
             log.warning("could not send the layout to the leader: %s", exc.details())
 
     # ------------------------------------------------------------------ jobs
-    async def start_job(self, job_id: JobId, epoch: int) -> float:
+    async def start_job(self, job: JobKey) -> float:
         """The leader's go before a new job's first byte moves: the job's deadline. Raises
         :class:`JobFailed` (FAILED_PRECONDITION / DEADLINE_EXCEEDED as the leader said, else
-        UNAVAILABLE) when it is not live."""
+        UNAVAILABLE) when it is not live.
+
+        NOTE: a job of a leader that is gone is refused here, never asked for: job ids and
+        epochs restart with a leader, so the new leader could say yes to its own job of the
+        same id and the old plan would write into slots the new leader gave to other blocks."""
+        job_id = job.job_id
+        if job.leader_id != self.leader_id:
+            raise JobFailed(grpc.StatusCode.FAILED_PRECONDITION, f"job {job_id} is of leader {job.leader_id}, "
+                            f"attached to {self.leader_id or 'none'}: move nothing")
         try:
             resp = await self.leader.StartTransfer(pb.StartTransferRequest(
-                worker_id=self.worker_id, job_id=job_id, epoch=epoch), timeout=RPC_TIMEOUT)
+                worker_id=self.worker_id, job_id=job_id, epoch=job.epoch), timeout=RPC_TIMEOUT)
         except grpc.RpcError as exc:
             code = exc.code() if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION,
                                                 grpc.StatusCode.DEADLINE_EXCEEDED) else grpc.StatusCode.UNAVAILABLE
