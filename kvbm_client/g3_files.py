@@ -21,13 +21,14 @@ slot still holds the bytes that job wrote.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
 import sqlite3
 import stat
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Iterator, Mapping, Sequence
 from urllib.parse import quote
 
 import numpy as np
@@ -117,6 +118,20 @@ def connect(path: str, schema: str, *, synchronous: str = "NORMAL") -> sqlite3.C
         conn.close()
         raise
     return conn
+
+
+@contextlib.contextmanager
+def transaction(conn: sqlite3.Connection) -> Iterator[None]:
+    """``BEGIN IMMEDIATE`` … ``COMMIT`` on an autocommit connection, rolled back when the body
+    or the commit fails (the connection is then usable again)."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
 
 
 def read_meta(conn: sqlite3.Connection) -> dict[str, str]:

@@ -33,7 +33,7 @@ import time
 from typing import Callable, TypeVar
 
 from kvbm_client.errors import KvbmConfigError
-from kvbm_client.g3_files import BLOCK_SCHEMA, SIDE_FILES, connect, files_bytes, write_tag
+from kvbm_client.g3_files import BLOCK_SCHEMA, SIDE_FILES, connect, files_bytes, transaction, write_tag
 from kvbm_client.ids import BlockHash, JobId, SlotId
 
 from .metrics import LeaderMetrics
@@ -44,8 +44,7 @@ BATCH = 65536  # changes applied in one transaction at most
 SIZE_EVERY = 1.0  # seconds between two updates of kvbm_g3_index_bytes
 CLOSE_TIMEOUT = 10.0  # seconds close() waits for the writer to apply what is queued
 _STOP = object()
-
-Put = tuple[BlockHash, "BlockHash | None", SlotId, JobId]
+_PUT, _DELETE = "put", "delete"  # the first item of a queued change
 
 
 class _Call:
@@ -121,10 +120,10 @@ class G3Index:
 
     # ------------------------------------------------------------------ journal (event loop)
     def stored(self, key: BlockHash, parent: BlockHash | None, slot: SlotId, job: JobId) -> None:
-        self._ops.put((key, parent, slot, job))
+        self._ops.put((_PUT, key, parent, slot, job))
 
     def removed(self, key: BlockHash) -> None:
-        self._ops.put(key)
+        self._ops.put((_DELETE, key))
 
     async def call(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         """``fn(connection)`` on the writer thread, after every change queued before this call."""
@@ -162,18 +161,16 @@ class G3Index:
             return
         conn = self._conn
         try:
-            conn.execute("BEGIN IMMEDIATE")
-            for change in changes:
-                if isinstance(change, tuple):
-                    key, parent, slot, job = change
-                    conn.execute("INSERT OR REPLACE INTO blocks (key, parent, slot, tag) VALUES (?, ?, ?, ?)",
-                                 (key, parent, slot, write_tag(self.leader_id, job)))
-                else:
-                    conn.execute("DELETE FROM blocks WHERE key = ?", (change,))
-            conn.execute("COMMIT")
+            with transaction(conn):
+                for change in changes:
+                    assert isinstance(change, tuple)
+                    if change[0] == _PUT:
+                        _, key, parent, slot, job = change
+                        conn.execute("INSERT OR REPLACE INTO blocks (key, parent, slot, tag) VALUES (?, ?, ?, ?)",
+                                     (key, parent, slot, write_tag(self.leader_id, job)))
+                    else:
+                        conn.execute("DELETE FROM blocks WHERE key = ?", (change[1],))
         except sqlite3.Error as exc:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
             self.metrics.inc("kvbm_g3_index_errors")
             log.warning("G3 index: %d changes not written (%s); those blocks will not be restored after a restart",
                         len(changes), exc)

@@ -35,7 +35,7 @@ from typing import Mapping
 import numpy as np
 
 from kvbm_client.g3_files import (ShardSource, join, node_fingerprint, read_meta, read_shard_tags, shard_fingerprint,
-                                  write_meta)
+                                  transaction, write_meta)
 from kvbm_client.ids import BlockHash, SlotId, Tier, WorkerId
 
 from .events import KvEventFeed
@@ -69,10 +69,9 @@ def read_restorable(conn: sqlite3.Connection, fingerprint: str, num_slots: int,
     out = Restorable()
     if old != fingerprint:
         total = conn.execute("SELECT count(*) FROM blocks").fetchone()[0]
-        conn.execute("BEGIN IMMEDIATE")
-        conn.execute("DELETE FROM blocks")
-        write_meta(conn, {"fingerprint": fingerprint})
-        conn.execute("COMMIT")
+        with transaction(conn):
+            conn.execute("DELETE FROM blocks")
+            write_meta(conn, {"fingerprint": fingerprint})
         if total:
             out.why[f"engine layout changed ({old} -> {fingerprint})"] = total
         return out
@@ -82,9 +81,8 @@ def read_restorable(conn: sqlite3.Connection, fingerprint: str, num_slots: int,
     keep, out.why = join(ids[:, 1], ids[:, 2], num_slots, tags)
     gone = ids[~keep, 0].tolist()
     if gone:
-        conn.execute("BEGIN IMMEDIATE")
-        conn.executemany("DELETE FROM blocks WHERE rowid = ?", ((r,) for r in gone))
-        conn.execute("COMMIT")
+        with transaction(conn):
+            conn.executemany("DELETE FROM blocks WHERE rowid = ?", ((r,) for r in gone))
     for i in np.nonzero(keep)[0].tolist():
         _, key, parent, slot, _ = rows[i]
         out.keys.append(BlockHash(key))

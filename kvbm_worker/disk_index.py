@@ -25,14 +25,16 @@ block whose bytes were lost fails its checksum when read and is dropped, never s
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sqlite3
+from typing import Iterator
 
 import numpy as np
 
-from kvbm_client.g3_files import (FORMAT, SHARD_SCHEMA, connect, read_meta, to_signed, to_unsigned, write_meta,
-                                  write_tag)
+from kvbm_client.g3_files import (FORMAT, SHARD_SCHEMA, connect, read_meta, to_signed, to_unsigned, transaction,
+                                  write_meta, write_tag)
 
 from .checksums import SlotSums, Sums
 from .id_arrays import Slots
@@ -78,8 +80,17 @@ class ShardIndex:
                 self.conn.execute("DELETE FROM shards WHERE slot >= ?", (num_slots,))
             write_meta(self.conn, {**want, "num_slots": str(num_slots)})
 
-    def _transaction(self, synchronous: str = "FULL") -> "_Tx":
-        return _Tx(self.conn, synchronous)
+    @contextlib.contextmanager
+    def _transaction(self, synchronous: str = "FULL") -> Iterator[None]:
+        """A transaction whose commit is ``synchronous`` (FULL: the WAL is fsynced); a SQLite
+        error (a full disk, an I/O error) surfaces as ``OSError``, so the job fails like any
+        other disk failure."""
+        try:
+            self.conn.execute(f"PRAGMA synchronous={synchronous}")
+            with transaction(self.conn):
+                yield
+        except sqlite3.Error as exc:
+            raise OSError(f"G3 shard index: {exc}") from exc
 
     def load(self) -> tuple[Slots, Sums]:
         """Every recorded slot and its checksum."""
@@ -102,34 +113,6 @@ class ShardIndex:
 
     def close(self) -> None:
         self.conn.close()
-
-
-class _Tx:
-    """``BEGIN IMMEDIATE`` … ``COMMIT`` with the given ``synchronous`` level (FULL: the commit
-    fsyncs the WAL), rolled back on error; a SQLite error (a full disk, an I/O error) surfaces
-    as ``OSError`` so the job fails like any other disk failure."""
-
-    def __init__(self, conn: sqlite3.Connection, synchronous: str) -> None:
-        self.conn, self.synchronous = conn, synchronous
-
-    def __enter__(self) -> None:
-        try:
-            self.conn.execute(f"PRAGMA synchronous={self.synchronous}")
-            self.conn.execute("BEGIN IMMEDIATE")
-        except sqlite3.Error as exc:
-            raise OSError(f"G3 shard index: {exc}") from exc
-
-    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
-        if exc is None:
-            try:
-                self.conn.execute("COMMIT")
-                return
-            except sqlite3.Error as error:
-                exc = error
-        if self.conn.in_transaction:
-            self.conn.execute("ROLLBACK")
-        if isinstance(exc, sqlite3.Error):
-            raise OSError(f"G3 shard index: {exc}") from exc
 
 
 class PersistentSlotSums(SlotSums):

@@ -96,9 +96,9 @@ class Node:
         reg.add_copy(reg.entry(key(i), key(i - 1)), DISK, SlotId(slot), JobId(job))
         reg.mark_ready(reg.entry(key(i)), DISK)
 
-    async def restore(self) -> None:
-        """Every worker reports its pools ready for a new epoch (its shard index path), and the
-        restore it starts runs to its end."""
+    def pools_ready(self) -> "asyncio.Task[None]":
+        """A new pool epoch, every worker reporting it ready (with its shard index path), as the
+        fleet does: the last report starts the restore, which is returned (not awaited)."""
         sizes = self.membership.replan()
         assert sizes is not None
         self.placement.resize({DISK: sizes.disk_slots})
@@ -108,7 +108,11 @@ class Node:
         assert self.membership.restoring == sizes.epoch and not self.membership.ready
         task = self.restorer._task
         assert task is not None
-        await task
+        return task
+
+    async def restore(self) -> None:
+        """:meth:`pools_ready`, and the restore runs to its end."""
+        await self.pools_ready()
 
     def rows(self) -> list[tuple[bytes, int]]:
         conn = sqlite3.connect(leader_index_path(str(self.root)))
@@ -185,16 +189,10 @@ def test_a_reset_during_a_restore_adds_nothing(tmp_path: Path, caplog: pytest.Lo
         node.commit(1, 0, job=1)
         worker_rows(tmp_path, W0, 2, {0: 1})
         worker_rows(tmp_path, W1, 2, {0: 1})
-        sizes = node.membership.replan()
-        assert sizes is not None
-        node.placement.resize({DISK: sizes.disk_slots})
-        for w in (W0, W1):
-            node.membership.workers[w].ready_epoch = sizes.epoch
-            node.restorer.pools_ready(w, node.shard_index(w))
+        task = node.pools_ready()
         node.placement.reset()  # a worker is lost while the index is read
         node.membership.detach(W1)
-        assert node.restorer._task is not None
-        await node.restorer._task
+        await task
         return node
 
     node = run(scenario())

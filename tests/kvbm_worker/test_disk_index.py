@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import xxhash
 
 from kvbm_client.g3_files import to_unsigned, worker_files, write_tag
 from kvbm_client.ids import JobId, PlanKind
@@ -38,14 +39,9 @@ def write(p: DiskPool, slots: list[int], seed: int, job: JobKey = JOB) -> list[i
     p.sums.forget(ids)
     for slot, row in zip(slots, rows):
         os.pwrite(p.fd, row.tobytes(), p.offset(slot))
-    sums = [int(x) for x in np.array([hash_of(r) for r in rows], np.uint64)]
+    sums = [xxhash.xxh3_64_intdigest(r.tobytes()) for r in rows]
     p.sums.record(ids, np.array(sums, np.uint64), job)
     return sums
-
-
-def hash_of(row: np.ndarray) -> int:
-    import xxhash
-    return xxhash.xxh3_64_intdigest(row.tobytes())
 
 
 def rows_of(index_path: str) -> dict[int, tuple[int, int]]:
