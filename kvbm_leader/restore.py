@@ -174,7 +174,4 @@ class G3Restorer:
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
+            await asyncio.gather(self._task, return_exceptions=True)
