@@ -65,7 +65,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("disk_cache_override_num_blocks", "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS", _opt_int, None,
            "Exact number of G3 blocks; overrides DYN_KVBM_DISK_CACHE_GB."),
     Option("disk_cache_dir", "DYN_KVBM_DISK_CACHE_DIR", str, "/tmp",
-           "Directory of the G3 files kvbm-disk-cache-*."),
+           "Directory of the G3 files (kvbm-disk-cache-*; kvbm-g3-* with DYN_KVBM_DISK_PERSIST)."),
     Option("disable_disk_offload_filter", "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER", parse_bool, False,
            "Offload every block evicted from G2 to G3, not only blocks with frequency >= 2."),
     Option("leader_worker_init_timeout_secs", "DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS", float, 1800.0,
@@ -152,6 +152,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("disk_persist", "DYN_KVBM_DISK_PERSIST", parse_bool, False,
            "Keep G3 files and their index across restarts (default off: files removed on a clean "
            "stop, as Dynamo does).", "kvbm"),
+    Option("disk_persist_sync", "DYN_KVBM_DISK_PERSIST_SYNC", parse_bool, True,
+           "With DYN_KVBM_DISK_PERSIST: flush the G3 file and its index to the device around every "
+           "G3 write, so the index holds across a power loss; false: across process and OS crashes "
+           "only (after a power loss a torn block fails its checksum and is dropped, never served).",
+           "kvbm"),
 )
 
 _BY_FIELD = {o.field: o for o in OPTIONS}
@@ -204,6 +209,7 @@ class KvbmConfig:
     disk_io_timeout_secs: float = 10.0
     host_checksums: bool = False
     disk_persist: bool = False
+    disk_persist_sync: bool = True
 
     # ---- derived -------------------------------------------------------------------
     @property

@@ -5,6 +5,8 @@ exactly one block copy; a double free or a foreign slot raises.
 """
 from __future__ import annotations
 
+from typing import Iterable
+
 from kvbm_client.ids import SlotId
 
 
@@ -37,6 +39,15 @@ class SlotAllocator:
         slot = self._free.pop()
         self._free_set.discard(slot)
         return SlotId(slot)
+
+    def reserve(self, slots: Iterable[SlotId]) -> set[SlotId]:
+        """Take these slots now (a G3 restore); returns those that were free and are now taken
+        (the others are left as they were). One pass over the free list."""
+        wanted = set(slots) & self._free_set
+        if wanted:
+            self._free = [s for s in self._free if s not in wanted]
+            self._free_set -= wanted
+        return {SlotId(s) for s in wanted}
 
     def free(self, slot: SlotId) -> None:
         if not 0 <= slot < self.capacity:

@@ -4,7 +4,9 @@ Runs in the leader, on its event loop. Decides the worker RPCs ``Attach``, ``Set
 ``PoolsReady`` (the access policy let only the node's daemons call them). Owns the one reset
 both a lost worker and a re-plan go through (:meth:`WorkerFleet.reset`): every job fails
 (counted in ``kvbm_failed_jobs``), every block is forgotten (``kvbm_lost_blocks``), routers
-are told (``cleared``).
+are told (``cleared``). With ``DYN_KVBM_DISK_PERSIST`` a reset leaves the persistent G3
+index as it is, and once every worker's pools are ready the restorer rebuilds G3 from it
+(:mod:`.restore`).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from .metrics import LeaderMetrics
 from .placement import PlacementPolicy
 from .rebalancer import Rebalancer
 from .refusals import Refused, Why
+from .restore import G3Restorer
 from .streams import WorkerStreams
 
 log = logging.getLogger("kvbm.leader")
@@ -32,7 +35,8 @@ class WorkerFleet:
     """See the module docstring."""
 
     def __init__(self, config: KvbmConfig, leader_id: str, membership: Membership, placement: PlacementPolicy,
-                 ledger: JobLedger, rebalancer: Rebalancer, feed: KvEventFeed, metrics: LeaderMetrics) -> None:
+                 ledger: JobLedger, rebalancer: Rebalancer, feed: KvEventFeed, metrics: LeaderMetrics,
+                 restorer: G3Restorer | None = None) -> None:
         self.config = config
         self.leader_id = leader_id
         self.membership = membership
@@ -41,6 +45,7 @@ class WorkerFleet:
         self.rebalancer = rebalancer
         self.feed = feed
         self.metrics = metrics
+        self.restorer = restorer
         self.streams = WorkerStreams()
         self.all_attached = asyncio.Event()
         self.closing = False
@@ -134,7 +139,7 @@ class WorkerFleet:
                  len(self.membership.members), f"; dropped {dropped} blocks" if dropped else "")
         self.streams.send_pools(sizes)
 
-    def pools_ready(self, worker_id: str, epoch: int, ok: bool, error: str) -> None:
+    def pools_ready(self, worker_id: str, epoch: int, ok: bool, error: str, disk_index: str = "") -> None:
         record = self.record(worker_id)
         pools = self.membership.pools
         if pools is None or epoch != pools.epoch:
@@ -144,8 +149,11 @@ class WorkerFleet:
             log.error("worker %s could not allocate its pools: %s", record.worker_id, record.error)
             return
         record.ready_epoch, record.alloc_progress, record.error = pools.epoch, 1.0, ""
+        if self.restorer is not None:
+            self.restorer.pools_ready(record.worker_id, disk_index)
         log.info("worker %s pools ready (epoch %d)%s", record.worker_id, pools.epoch,
-                 "; node ready" if self.membership.ready else "")
+                 "; node ready" if self.membership.ready else
+                 "; restoring G3" if self.membership.restoring is not None else "")
 
     async def wait_attached(self, timeout: float) -> bool:
         try:

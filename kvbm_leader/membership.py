@@ -77,6 +77,8 @@ class Membership:
         self.workers: dict[WorkerId, WorkerRecord] = {}
         self.pools: PoolSizes | None = None
         self.epoch = 0
+        #: the pool epoch whose G3 is being restored from the persistent index (not ready meanwhile)
+        self.restoring: int | None = None
 
     @property
     def members(self) -> list[WorkerId]:
@@ -93,6 +95,11 @@ class Membership:
 
     @property
     def ready(self) -> bool:
+        """Every expected worker has allocated the current pools, and no G3 restore runs."""
+        return self.pools_ready and self.restoring is None
+
+    @property
+    def pools_ready(self) -> bool:
         """Every expected worker has allocated the current pools."""
         pools = self.pools
         return (pools is not None and self.all_attached and bool(self.members)

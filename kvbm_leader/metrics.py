@@ -33,6 +33,14 @@ COUNTERS = {
     "kvbm_kv_events_dropped": "KV events dropped because the event buffer was full",
     "kvbm_commands_undelivered": "Leader commands to workers without an acknowledgement (left to expire)",
     "kvbm_corrupt_blocks": "Block copies dropped because a worker found their bytes bad (checksum, short read)",
+    "kvbm_g3_restored_blocks": "G3 blocks made matchable again from the persistent index (DYN_KVBM_DISK_PERSIST)",
+    "kvbm_g3_discarded_blocks": "G3 index entries discarded at restore (other layout, a rank's shard missing or "
+                                "rewritten, outside the G3 size)",
+    "kvbm_g3_index_errors": "Batches of G3 index changes the leader could not write (full disk, I/O error)",
+}
+#: Levels, set by their owner (not monotonic).
+GAUGES = {
+    "kvbm_g3_index_bytes": "Bytes of the persistent G3 index: the leader's and the workers' files, WAL included",
 }
 
 PoolUsage = Callable[[], "dict[Tier, tuple[int, int, int]]"]
@@ -62,7 +70,7 @@ class LeaderMetrics(Collector):
     must be O(1) and only read plain counters)."""
 
     def __init__(self, pool_usage: PoolUsage | None = None) -> None:
-        self.values: dict[str, float] = dict.fromkeys(COUNTERS, 0.0)
+        self.values: dict[str, float] = dict.fromkeys((*COUNTERS, *GAUGES), 0.0)
         self.hits = HitWindow()
         self._pool_usage: PoolUsage = pool_usage or dict
         self.registry = CollectorRegistry(auto_describe=False)
@@ -76,7 +84,7 @@ class LeaderMetrics(Collector):
         self.values[name] += amount
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        for name, doc in COUNTERS.items():
+        for name, doc in (*COUNTERS.items(), *GAUGES.items()):
             yield GaugeMetricFamily(name, doc, value=self.values[name])
         host, disk = self.hits.rates()
         yield GaugeMetricFamily("kvbm_host_cache_hit_rate", "Host cache hit rate (0.0-1.0)", value=host)

@@ -29,7 +29,7 @@ from kvbm_client.ids import BlockHash, JobId, PlanKind, SlotId, Tier
 
 from .decisions import HostDiskMove, JobPlacement, Outcome
 from .policies.frequency import FrequencyFilter
-from .registry import BlockEntry, BlockRegistry
+from .registry import BlockEntry, BlockRegistry, DiskJournal
 from .steps import CompletionStepper, LoadStepper, MatchStepper, StoreStepper
 
 __all__ = ["HostDiskMove", "JobPlacement", "Outcome", "PlacementPolicy"]
@@ -39,12 +39,15 @@ class PlacementPolicy:
     """Owns the :class:`BlockRegistry` and applies LRU + the disk offload filter.
 
     ``generation`` counts resets: a stepper started before a reset must not go on.
+    ``journal``: where every registry reports its G3 changes (``DYN_KVBM_DISK_PERSIST``).
     """
 
-    def __init__(self, capacities: dict[Tier, int], frequency: FrequencyFilter) -> None:
+    def __init__(self, capacities: dict[Tier, int], frequency: FrequencyFilter,
+                 journal: DiskJournal | None = None) -> None:
         self.capacities = {t: n for t, n in capacities.items() if n > 0}
         self.frequency = frequency
-        self.registry = BlockRegistry(self.capacities)
+        self.journal = journal
+        self.registry = BlockRegistry(self.capacities, journal)
         self.generation = 0
 
     # ------------------------------------------------------------------ queries
@@ -198,7 +201,7 @@ class PlacementPolicy:
     def reset(self) -> int:
         """Forget every block (a worker's pools were lost); returns how many were dropped."""
         dropped = len(self.registry.blocks)
-        self.registry = BlockRegistry(self.capacities)
+        self.registry = BlockRegistry(self.capacities, self.journal)
         self.generation += 1
         return dropped
 

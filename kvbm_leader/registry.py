@@ -13,11 +13,15 @@ Invariants kept here (every state change goes through a method of :class:`BlockR
 * ``TierPool.owners`` maps every occupied slot to its block, ``TierPool.pinned`` counts the
   pinned blocks with a copy in the tier (``Status`` and the metrics read them in O(1));
 * a *corrupt* copy (a worker reported its bytes bad) is never matched again; its slot is
-  freed as soon as no load, demotion or live job still uses it.
+  freed as soon as no load, demotion or live job still uses it;
+* with a :class:`DiskJournal` (``DYN_KVBM_DISK_PERSIST``), every G3 copy that becomes ready
+  is reported with the job that wrote it, and every G3 copy taken away is reported, in the
+  order they happen (a restore adds copies without reporting them: they are indexed already).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvbm_client.ids import BlockHash, JobId, SlotId, Tier
 
@@ -90,10 +94,22 @@ class TierPool:
         return self.allocator.capacity
 
 
+class DiskJournal(Protocol):
+    """Where changes of ready G3 copies go (the leader's persistent G3 index); both calls
+    only record the change (no I/O on the caller's thread)."""
+
+    def stored(self, key: BlockHash, parent: BlockHash | None, slot: SlotId, job: JobId) -> None:
+        """``key``'s G3 copy in ``slot``, written by ``job``, is ready."""
+
+    def removed(self, key: BlockHash) -> None:
+        """``key`` has no G3 copy any more."""
+
+
 class BlockRegistry:
     """Hash -> :class:`BlockEntry`, plus one :class:`TierPool` per configured tier."""
 
-    def __init__(self, capacities: dict[Tier, int]) -> None:
+    def __init__(self, capacities: dict[Tier, int], journal: DiskJournal | None = None) -> None:
+        self.journal = journal
         self.blocks: dict[BlockHash, BlockEntry] = {}
         self.forgotten: list[BlockHash] = []  # blocks gone since the last take_forgotten()
         self.pools: dict[Tier, TierPool] = {
@@ -136,6 +152,8 @@ class BlockRegistry:
     def take_copy(self, entry: BlockEntry, tier: Tier) -> SlotId:
         """Take a copy away from its block without freeing the slot (the caller reuses it)."""
         copy = entry.copies.pop(tier)
+        if tier is Tier.DISK and self.journal is not None:
+            self.journal.removed(entry.key)
         pool = self.pools[tier]
         pool.lru.remove(entry.key)
         if pool.owners.get(copy.slot) == entry.key:
@@ -154,7 +172,10 @@ class BlockRegistry:
 
     def mark_ready(self, entry: BlockEntry, tier: Tier) -> None:
         """Every worker wrote the copy: matchable (or, if it was condemned meanwhile, dropped)."""
-        entry.copies[tier].job = None
+        copy = entry.copies[tier]
+        if tier is Tier.DISK and self.journal is not None and copy.job is not None and not copy.corrupt:
+            self.journal.stored(entry.key, entry.parent, copy.slot, copy.job)
+        copy.job = None
         self._refresh(entry)
 
     def condemn(self, entry: BlockEntry, tier: Tier) -> bool:

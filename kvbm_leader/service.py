@@ -4,8 +4,9 @@ Runs in the leader daemon, on its event loop. :class:`LeaderService` is the comp
 it builds the pure core (membership, placement, sessions) and the units around it (ledger,
 rebalancer, planner, fleet; see :mod:`.servicer` for which decides what), injecting the
 command transport and the KV event sink it is given, so nothing is swapped after the server
-serves. It also owns the periodic tick (session and job expiry, the G2 watermark) and the
-ordered shutdown.
+serves. It also owns the periodic tick (session and job expiry, the G2 watermark), the
+persistent G3 index when ``DYN_KVBM_DISK_PERSIST`` is on (:mod:`.g3_index`, :mod:`.restore`)
+and the ordered shutdown.
 """
 from __future__ import annotations
 
@@ -15,12 +16,14 @@ import uuid
 
 from kvbm_client.config import KvbmConfig
 from kvbm_client.contract import pb
+from kvbm_client.g3_files import leader_index_path
 from kvbm_client.ids import JobId, SessionId, WorkerId
 from kvbm_client.security import NodeKey
 
 from .commands import CommandTransport
 from .events import KvEventFeed, NullEvents
 from .fleet import WorkerFleet
+from .g3_index import G3Index
 from .ledger import JobLedger, PlanSigner
 from .membership import Membership
 from .metrics import LeaderMetrics
@@ -29,6 +32,7 @@ from .planner import RequestPlanner
 from .policies.frequency import FrequencyFilter
 from .rebalancer import Rebalancer
 from .refusals import Refused, Why
+from .restore import G3Restorer
 from .sessions import SessionLimits, SessionTable
 from .status import leader_state, status_response, worker_infos
 
@@ -62,7 +66,10 @@ class LeaderService:
         self.membership = Membership(config, expected_workers)
         self.frequency = FrequencyFilter(config.disk_filter_max_entries,
                                          enabled=not config.disable_disk_offload_filter)
-        self.placement = PlacementPolicy({}, self.frequency)
+        #: raises KvbmConfigError when another leader holds the index
+        self.g3_index = G3Index(leader_index_path(config.disk_cache_dir), self.leader_id, self.metrics) \
+            if config.disk_persist and config.disk_enabled else None
+        self.placement = PlacementPolicy({}, self.frequency, self.g3_index)
         self.metrics.track_pools(self.placement.usage)
         self.sessions = SessionTable(SessionLimits(config.session_ttl_secs, config.max_session_ttl_secs,
                                                    config.max_sessions, config.max_name_bytes))
@@ -73,8 +80,10 @@ class LeaderService:
                                      self.metrics, self.feed)
         self.planner = RequestPlanner(self.placement, self.membership, self.ledger, self.rebalancer,
                                       self.sessions, self.feed, self.metrics)
+        self.restorer = G3Restorer(self.g3_index, self.placement, self.membership, self.feed, self.metrics) \
+            if self.g3_index is not None else None
         self.fleet = WorkerFleet(config, self.leader_id, self.membership, self.placement, self.ledger,
-                                 self.rebalancer, self.feed, self.metrics)
+                                 self.rebalancer, self.feed, self.metrics, self.restorer)
 
     @property
     def closing(self) -> bool:
@@ -129,3 +138,7 @@ class LeaderService:
         self.closing = True
         self.fleet.streams.shutdown("leader shutting down")
         await self.rebalancer.close()
+        if self.restorer is not None:
+            await self.restorer.close()
+        if self.g3_index is not None:
+            await self.g3_index.close()

@@ -176,7 +176,8 @@ class LeaderServicer:
 
     async def PoolsReady(self, request: "pb.PoolsReadyRequest", context: Context) -> "pb.PoolsReadyResponse":
         try:
-            self.service.fleet.pools_ready(request.worker_id, request.epoch, request.ok, request.error)
+            self.service.fleet.pools_ready(request.worker_id, request.epoch, request.ok, request.error,
+                                           request.disk_index)
         except Refused as refusal:
             await _abort(context, refusal)
         return pb.PoolsReadyResponse()

@@ -8,6 +8,11 @@ through an explicit :class:`AllocationProgress` (shown by ``Status`` and logged 
 Invariants: the pools of an epoch are freed only after every copy that could use them
 finished (``lanes.drain()``); a plan with the geometry already allocated keeps the memory
 (its contents are void: the checksums are reset); a failed allocation leaves no pools.
+
+With ``DYN_KVBM_DISK_PERSIST`` the G3 file is named after the worker and its engine layout
+and reopened (:class:`~.pools.PersistAs`); a new epoch on the same pools keeps its contents,
+and ``PoolsReady`` is answered only once no copy of an earlier epoch runs any more (the
+leader restores G3 from the shard index after it, which no straggling copy may change).
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from dataclasses import dataclass, field
 
 from kvbm_client.config import KvbmConfig
 from kvbm_client.contract import pb
+from kvbm_client.g3_files import shard_fingerprint
 from kvbm_client.ids import Tier
 
 from .handlers.cuda_copier import CopyMechanism
@@ -26,7 +32,7 @@ from .handlers.disk import open_disk_io
 from .handlers.disk_guard import TimedDiskIO
 from .lanes import Lanes
 from .mover import BlockMover
-from .pools import DiskPool, HostPool, SlotGeometry
+from .pools import DiskPool, HostPool, PersistAs, SlotGeometry
 
 log = logging.getLogger("kvbm.worker")
 
@@ -58,8 +64,14 @@ class Pools:
         pool = self.host if tier is Tier.HOST else self.disk if tier is Tier.DISK else None
         return pool.geometry.num_slots if pool is not None else 0
 
-    def fits(self, host: SlotGeometry, disk: SlotGeometry) -> bool:
-        return _same(self.host, host) and _same(self.disk, disk)
+    @property
+    def disk_index(self) -> str:
+        """The G3 shard index's path ("" when G3 is not persistent)."""
+        return self.disk.index_path if self.disk is not None else ""
+
+    def fits(self, host: SlotGeometry, disk: SlotGeometry, persist: PersistAs | None) -> bool:
+        return (_same(self.host, host) and _same(self.disk, disk)
+                and (self.disk is None or self.disk.persist == persist))
 
     def close(self) -> None:
         self.mover.close()
@@ -120,9 +132,14 @@ class PoolAllocator:
             block_bytes = layout.num_layers * layout.page_bytes
             host_geo = SlotGeometry.of(block_bytes, plan.host_slots)
             disk_geo = SlotGeometry.of(block_bytes, plan.disk_slots)
+            persist = PersistAs(self.worker_id, shard_fingerprint(layout.num_layers, layout.page_bytes, layout.dtype),
+                                self.config.disk_persist_sync) if self.config.disk_persist else None
             old = self.current
-            if old is not None and old.fits(host_geo, disk_geo):
-                old.epoch = plan.epoch  # same geometry: keep the memory, contents are now void
+            if old is not None and old.fits(host_geo, disk_geo, persist):
+                # same geometry: keep the memory; its contents are now void (G3 too, unless persistent)
+                old.epoch = plan.epoch
+                if persist is not None:
+                    await self._lanes.drain()  # copies of the old epoch are refused from now on; wait for running ones
                 old.mover.renew()
                 log.info("pools kept for epoch %d", plan.epoch)
                 return True, ""
@@ -134,7 +151,7 @@ class PoolAllocator:
                 self.progress = AllocationProgress(
                     time.monotonic() + self.config.leader_worker_init_timeout_secs, pinning=self.path.gpu is not None)
                 pools = await asyncio.get_running_loop().run_in_executor(
-                    None, self._allocate, plan.epoch, host_geo, disk_geo, self.progress)
+                    None, self._allocate, plan.epoch, host_geo, disk_geo, persist, self.progress)
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"
                 log.error("pool allocation failed: %s", error)
@@ -147,7 +164,7 @@ class PoolAllocator:
                             type(exc).__name__, exc)
             return True, ""
 
-    def _allocate(self, epoch: int, host_geo: SlotGeometry, disk_geo: SlotGeometry,
+    def _allocate(self, epoch: int, host_geo: SlotGeometry, disk_geo: SlotGeometry, persist: PersistAs | None,
                   progress: AllocationProgress) -> Pools:
         cfg = self.config
         host = disk = None
@@ -160,12 +177,12 @@ class PoolAllocator:
                 host.commit(progress.first_half)
             if disk_geo.num_slots:
                 disk = DiskPool(disk_geo, cfg.disk_cache_dir, o_direct=not cfg.disk_disable_o_direct,
-                                zerofill_fallback=cfg.disk_zerofill_fallback)
+                                zerofill_fallback=cfg.disk_zerofill_fallback, persist=persist)
                 raw = open_disk_io(disk.fd, disk_geo.total_bytes, f"kvbm-worker-{self.worker_id}-{os.getpid()}",
                                    prefer_nixl=self.path.prefer_nixl)
                 disk_io = TimedDiskIO(raw, cfg.disk_io_timeout_secs)
-                log.info("G3: %s, %d slots (%.2f GB), I/O via %s, checksummed", disk.path, disk_geo.num_slots,
-                         disk_geo.total_bytes / 1e9, disk_io.name)
+                log.info("G3: %s, %d slots (%.2f GB), I/O via %s, checksummed%s", disk.path, disk_geo.num_slots,
+                         disk_geo.total_bytes / 1e9, disk_io.name, ", persistent" if persist else "")
             return Pools(epoch, host, disk, self._mover(host, disk, disk_io, progress), disk_io)
         except BaseException:
             if disk_io is not None:
@@ -183,6 +200,11 @@ class PoolAllocator:
         from .handlers.cuda import CudaMover  # lazy: CUDA only on a GPU worker
         return CudaMover(host, disk, disk_io, host_checksums=checksums, device=self.path.gpu,
                          mechanism=self.path.cuda_copy, progress=progress.second_half, deadline=progress.deadline)
+
+    @property
+    def disk_index(self) -> str:
+        """What ``PoolsReady`` tells the leader: the current G3 shard index ("" if none)."""
+        return self.current.disk_index if self.current is not None else ""
 
     def close(self) -> None:
         """Free the pools (after the lanes drained); idempotent."""

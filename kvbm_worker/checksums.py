@@ -8,7 +8,9 @@ have one with ``DYN_KVBM_HOST_CHECKSUMS``.
 
 Invariant: ``valid[s]`` is True only while ``sums[s]`` is the checksum of the bytes the
 worker last wrote to slot ``s``. A slot is forgotten before it is rewritten, so a write that
-fails or never returns leaves it invalid, and an invalid slot never verifies.
+fails or never returns leaves it invalid, and an invalid slot never verifies. With
+``DYN_KVBM_DISK_PERSIST`` the G3 table is a :class:`~.disk_index.PersistentSlotSums`, which
+keeps the same table durable beside the G3 file.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import numpy.typing as npt
 import xxhash
 
 from .id_arrays import Slots
+from .jobs import JobKey
 
 Rows = npt.NDArray[np.uint8]  # 2-D: one slot per row (a pool's slots or a bounce buffer)
 Ids = npt.NDArray[np.int64]
@@ -46,7 +49,8 @@ class SlotSums:
         """Every slot's contents are void (a new pool epoch)."""
         self.valid[:] = False
 
-    def record(self, slots: Slots, sums: Sums) -> None:
+    def record(self, slots: Slots, sums: Sums, writer: JobKey | None = None) -> None:
+        """``sums`` are the checksums of what was just written to ``slots`` (by ``writer``'s job)."""
         self.sums[slots] = sums
         self.valid[slots] = True
 

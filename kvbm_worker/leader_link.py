@@ -1,5 +1,6 @@
 """The worker's link to its node's leader: the attach stream (re-attached after a leader
-restart), the layout, pool plans and ``PoolsReady``, and each job's ``StartTransfer`` and
+restart), the layout, pool plans and ``PoolsReady`` (with the G3 shard index the leader
+restores from, ``DYN_KVBM_DISK_PERSIST``), and each job's ``StartTransfer`` and
 ``CompleteTransfer``.
 
 Runs in the worker daemon, on its event loop. Owns the channel to the leader and what the
@@ -21,10 +22,12 @@ import grpc
 from kvbm_client.channels import open_aio_channel
 from kvbm_client.config import KvbmConfig
 from kvbm_client.contract import pb, rpc
-from kvbm_client.ids import JobId, WorkerId
+from kvbm_client.ids import WorkerId
 from kvbm_client.security import NodeKey
 
+from .allocation import PoolAllocator
 from .errors import JobFailed
+from .jobs import JobKey
 from .runner import JobReport
 
 log = logging.getLogger("kvbm.worker")
@@ -33,6 +36,8 @@ RPC_TIMEOUT = 10.0
 
 class LinkPeer(Protocol):
     """What the link needs of the worker service (:class:`kvbm_worker.service.WorkerService`)."""
+
+    pools: PoolAllocator  # read for the G3 shard index to report
 
     def layout(self) -> "pb.KvLayout | None": ...
 
@@ -154,9 +159,10 @@ class LeaderLink:
         if result is None:
             return
         ok, error = result
+        index = self._peer.pools.disk_index if ok else ""
         try:
             await self.leader.PoolsReady(pb.PoolsReadyRequest(worker_id=self.worker_id, epoch=plan.epoch, ok=ok,
-                                                              error=error), timeout=RPC_TIMEOUT)
+                                                              error=error, disk_index=index), timeout=RPC_TIMEOUT)
         except grpc.RpcError as exc:
             log.warning("could not report pools ready: %s", exc.details())
 
@@ -172,13 +178,21 @@ class LeaderLink:
             log.warning("could not send the layout to the leader: %s", exc.details())
 
     # ------------------------------------------------------------------ jobs
-    async def start_job(self, job_id: JobId, epoch: int) -> float:
+    async def start_job(self, job: JobKey) -> float:
         """The leader's go before a new job's first byte moves: the job's deadline. Raises
         :class:`JobFailed` (FAILED_PRECONDITION / DEADLINE_EXCEEDED as the leader said, else
-        UNAVAILABLE) when it is not live."""
+        UNAVAILABLE) when it is not live.
+
+        NOTE: a job of a leader that is gone is refused here, never asked for: job ids and
+        epochs restart with a leader, so the new leader could say yes to its own job of the
+        same id and the old plan would write into slots the new leader gave to other blocks."""
+        job_id = job.job_id
+        if job.leader_id != self.leader_id:
+            raise JobFailed(grpc.StatusCode.FAILED_PRECONDITION, f"job {job_id} is of leader {job.leader_id}, "
+                            f"attached to {self.leader_id or 'none'}: move nothing")
         try:
             resp = await self.leader.StartTransfer(pb.StartTransferRequest(
-                worker_id=self.worker_id, job_id=job_id, epoch=epoch), timeout=RPC_TIMEOUT)
+                worker_id=self.worker_id, job_id=job_id, epoch=job.epoch), timeout=RPC_TIMEOUT)
         except grpc.RpcError as exc:
             code = exc.code() if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION,
                                                 grpc.StatusCode.DEADLINE_EXCEEDED) else grpc.StatusCode.UNAVAILABLE

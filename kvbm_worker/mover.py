@@ -36,6 +36,7 @@ from .errors import CopyExpired, SlotsFailed
 from .handlers import cpu
 from .handlers.disk_guard import DiskHung, DiskTimeout, TimedDiskIO
 from .id_arrays import EngineBlocks, Slots
+from .jobs import JobKey
 from .lanes import Lane
 from .plan_check import Batch
 from .pools import DiskPool, HostPool
@@ -99,7 +100,8 @@ class BounceBuffer:
 
 class BlockMover:
     """Moves bytes for one worker's pools (one pool epoch). Owns the bounce buffers and the
-    checksum tables; borrows the pools and the disk I/O (the caller closes those).
+    G2 checksum table; borrows the pools (the G3 checksum table belongs to the G3 file, which
+    may outlive the worker) and the disk I/O (the caller closes those).
 
     Args:
         host, disk: the G2 and G3 pools (None when the tier is off).
@@ -114,7 +116,7 @@ class BlockMover:
         self.host, self.disk, self.disk_io = host, disk, disk_io
         self.clock = clock
         self.bounce: dict[Lane, BounceBuffer] = {}
-        self.disk_sums = SlotSums(disk.geometry.num_slots, disk.geometry.block_bytes) if disk else None
+        self.disk_sums = disk.sums if disk else None
         self.host_sums = SlotSums(host.geometry.num_slots, host.geometry.block_bytes) \
             if host is not None and host_checksums else None
         if disk is not None and disk_io is not None:
@@ -166,7 +168,7 @@ class BlockMover:
             if tier is Tier.HOST:
                 self._engine_host(batch.kind, region, blocks, slots, until)
             elif batch.kind is PlanKind.STORE:
-                self._store_disk(region, blocks, slots, until)
+                self._store_disk(region, blocks, slots, until, batch.job)
             else:
                 self._load_disk(region, blocks, slots, until)
             moved += len(blocks) * region.block_bytes
@@ -242,12 +244,14 @@ class BlockMover:
         a, o, n = segments(addrs, slots * unit, unit)
         return a.tolist(), o.tolist(), n.tolist()
 
-    def _write_disk(self, addrs: Ids, slots: Slots, sums: npt.NDArray[np.uint64], hold: object) -> None:
-        """Write host memory at ``addrs`` to G3 ``slots``; their checksums are ``sums`` once written."""
+    def _write_disk(self, addrs: Ids, slots: Slots, sums: npt.NDArray[np.uint64], hold: object,
+                    writer: JobKey) -> None:
+        """Write host memory at ``addrs`` to G3 ``slots`` for ``writer``'s job; their checksums
+        are ``sums`` once written."""
         table = self._sums()
         table.forget(slots)
         self._disk_io().write(*self._disk_runs(addrs, slots), hold=hold)
-        table.record(slots, sums)
+        table.record(slots, sums, writer)
 
     def _read_rows(self, bounce: BounceBuffer, rows: Ids, slots: Slots) -> npt.NDArray[np.uint64]:
         """Read G3 ``slots`` into ``bounce`` rows and verify them; returns their checksums."""
@@ -279,7 +283,8 @@ class BlockMover:
             bad.extend(int(s) for s in mismatched)
         return bad or slots.tolist()
 
-    def _store_disk(self, region: EngineRegion, blocks: EngineBlocks, slots: Slots, until: float) -> None:
+    def _store_disk(self, region: EngineRegion, blocks: EngineBlocks, slots: Slots, until: float,
+                    writer: JobKey) -> None:
         """The engine copy of chunk k+1 (into one bounce half) overlaps the disk write of chunk k."""
         self._disk_io().check()  # a stuck call may still use the bounce rows
         bounce = self.bounce[Lane.STORE]
@@ -290,7 +295,7 @@ class BlockMover:
             copy.wait()
             self._check_time(until)
             sums = digest(bounce.slots, rows, self._sums().block_bytes)
-            self._write_disk(bounce.address(rows), to, sums, bounce.slots)
+            self._write_disk(bounce.address(rows), to, sums, bounce.slots, writer)
 
         try:
             for k, (lo, hi) in enumerate(chunks(len(blocks), bounce.per_chunk)):
@@ -344,7 +349,7 @@ class BlockMover:
                 sums = self._verify(self.host_sums, Tier.HOST, h, host.slots, h)
             else:
                 sums = digest(host.slots, h, self._sums().block_bytes)
-            self._write_disk(host.address + h * host.geometry.slot_bytes, d, sums, host.buffer)
+            self._write_disk(host.address + h * host.geometry.slot_bytes, d, sums, host.buffer, batch.job)
         return len(batch.demote_host) * host.geometry.block_bytes
 
     def _promote(self, batch: Batch, until: float) -> int:

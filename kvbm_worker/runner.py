@@ -31,7 +31,7 @@ from kvbm_client.security import NodeKey, sign_ack
 from .allocation import PoolAllocator
 from .errors import CopyExpired, CopyFailed, JobFailed, PlanRejected, Refusal, SlotsFailed
 from .handlers.disk_guard import DiskHung
-from .jobs import Job, JobTable, Moved
+from .jobs import Job, JobKey, JobTable, Moved
 from .lanes import LaneFull, Lanes, LateStart, Ticket
 from .mover import BlockMover
 from .plan_check import Batch, check_command, check_not_late, check_transfer
@@ -69,8 +69,9 @@ class LeaderGate(Protocol):
     def grace(self) -> float:
         """Seconds the leader keeps a job's slots after its deadline."""
 
-    async def start_job(self, job_id: JobId, epoch: int) -> float:
-        """The leader's go for a new job: its deadline; raises :class:`JobFailed` if not live."""
+    async def start_job(self, job: JobKey) -> float:
+        """The leader's go for a new job: its deadline; raises :class:`JobFailed` if not live
+        (or if the job is another leader's)."""
 
     async def report(self, report: JobReport) -> bool:
         """Send a report; whether the leader accepted it."""
@@ -180,7 +181,7 @@ class JobRunner:
         """Steps 3 to 5 of the module docstring. Raises :class:`JobFailed` when the leader says
         no (nothing moved, nothing to report), :class:`CopyFailed` when the copy failed."""
         try:
-            deadline = min(batch.deadline, await self.gate.start_job(batch.job_id, batch.job.epoch))
+            deadline = min(batch.deadline, await self.gate.start_job(batch.job))
         except JobFailed as exc:
             ticket.release()
             log.warning("%s", exc.message)

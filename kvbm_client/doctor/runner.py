@@ -14,12 +14,12 @@ import time
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from . import cuda, disk, nixl, node, services, sizes
+from . import cuda, disk, g3, nixl, node, services, sizes
 from .base import Check, CheckResult, DoctorContext, Status, fail, skip
 
 #: Every check, in report order: configuration first, the running node last.
-ALL_CHECKS: tuple[Check, ...] = (*sizes.CHECKS, *disk.CHECKS, *cuda.CHECKS, *nixl.CHECKS, *services.CHECKS,
-                                 *node.CHECKS)
+ALL_CHECKS: tuple[Check, ...] = (*sizes.CHECKS, *disk.CHECKS, *g3.CHECKS, *cuda.CHECKS, *nixl.CHECKS,
+                                 *services.CHECKS, *node.CHECKS)
 
 
 @dataclass(frozen=True)

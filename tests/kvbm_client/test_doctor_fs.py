@@ -12,7 +12,6 @@ The failing filesystems are real ones (mounting needs root; the tests skip other
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 from pathlib import Path
@@ -23,18 +22,7 @@ import pytest
 from kvbm_client.doctor import disk, nixl, sizes
 from kvbm_client.doctor.base import DoctorContext, DoctorOptions, Status
 
-
-@contextlib.contextmanager
-def mounted(target: Path, fstype: str, options: str = "", source: str | None = None) -> Iterator[Path]:
-    target.mkdir(parents=True, exist_ok=True)
-    argv = ["mount", "-t", fstype, *(["-o", options] if options else []), source or fstype, str(target)]
-    done = subprocess.run(argv, capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount {fstype} here ({done.stderr.strip()}); these tests need root")
-    try:
-        yield target
-    finally:
-        subprocess.run(["umount", str(target)], check=True)
+from support.mounts import mounted
 
 
 @pytest.fixture

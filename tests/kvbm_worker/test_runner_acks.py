@@ -23,7 +23,7 @@ class Attached:
     plan_key = NODE_KEY.plan_key("L")
     grace = 5.0
 
-    async def start_job(self, job_id, epoch):
+    async def start_job(self, job):
         raise AssertionError("a rejected command must not ask the leader to start")
 
     async def report(self, report):

@@ -9,6 +9,9 @@
 * ``KVBM_FAULT_DISK_EIO_AFTER=N``: every G3 read or write after the first N fails with EIO.
 * ``KVBM_FAULT_DISK_HANG_READ_SECS=S``: the first G3 read sleeps S seconds before it runs
   (a disk that hangs, then comes back).
+* ``KVBM_FAULT_DISK_SLOW_WRITE_SECS=S``: every G3 write is torn in time: its first half is
+  written, then it sleeps S seconds, then it writes the rest (a kill -9 in between leaves a
+  slot half old, half new).
 
 Patches are applied when the module that defines the target is imported (a meta path hook),
 so a process that never imports the worker is untouched.
@@ -71,6 +74,7 @@ class _DiskFaults:
         self.ops = 0
         self.eio_after = _number("KVBM_FAULT_DISK_EIO_AFTER")
         self.hang = _number("KVBM_FAULT_DISK_HANG_READ_SECS")
+        self.slow_write = _number("KVBM_FAULT_DISK_SLOW_WRITE_SECS")
         self.hung = False
 
     def before(self, op: str) -> None:
@@ -88,7 +92,7 @@ class _DiskFaults:
 
 def _patch_disk(module: ModuleType) -> None:
     faults = _DiskFaults()
-    if faults.eio_after is None and faults.hang is None:
+    if faults.eio_after is None and faults.hang is None and faults.slow_write is None:
         return
     for cls in (module.PosixDiskIO, module.NixlDiskIO):
         for op in ("read", "write"):
@@ -100,6 +104,12 @@ def _wrap_op(cls: type, op: str, faults: _DiskFaults) -> None:
 
     def faulty(self: Any, addrs: Sequence[int], offsets: Sequence[int], lengths: Sequence[int]) -> None:
         faults.before(op)
+        if op == "write" and faults.slow_write:
+            halves = [(a, o, n // 2 // 4096 * 4096) for a, o, n in zip(addrs, offsets, lengths)]
+            halves = [h for h in halves if h[2]]  # O_DIRECT: whole pages only
+            if halves:
+                original(self, [h[0] for h in halves], [h[1] for h in halves], [h[2] for h in halves])
+            time.sleep(faults.slow_write)
         original(self, addrs, offsets, lengths)
 
     setattr(cls, op, faulty)

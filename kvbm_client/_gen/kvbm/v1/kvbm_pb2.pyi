@@ -306,16 +306,18 @@ class SetLayoutResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class PoolsReadyRequest(_message.Message):
-    __slots__ = ("worker_id", "epoch", "ok", "error")
+    __slots__ = ("worker_id", "epoch", "ok", "error", "disk_index")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    DISK_INDEX_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: int
     ok: bool
     error: str
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+    disk_index: str
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., disk_index: _Optional[str] = ...) -> None: ...
 
 class PoolsReadyResponse(_message.Message):
     __slots__ = ()
