@@ -122,6 +122,7 @@ class PoolAllocator:
             disk_geo = SlotGeometry.of(block_bytes, plan.disk_slots)
             old = self.current
             if old is not None and old.fits(host_geo, disk_geo):
+                await self._lanes.drain()  # no copy of the old epoch (or leader) runs into the new one
                 old.epoch = plan.epoch  # same geometry: keep the memory, contents are now void
                 old.mover.renew()
                 log.info("pools kept for epoch %d", plan.epoch)

@@ -3,8 +3,8 @@
 Runs in the harness (kvbm venv). A timed fault strikes ``delay_s`` after the engine marked
 the start of wave ``wave`` (``wave-K.start`` in the marker directory) and lasts
 ``duration_s``: SIGSTOP then SIGCONT of the worker, or kill -9 of a daemon then its restart
-(as ``kvbm serve`` would restart it). A disk fault is no event: the worker runs with the
-test-only EIO hook of ``faulty_worker.py`` for the whole pass.
+(as ``kvbm serve`` would restart it). Disk, stall and fail faults are no events: the worker
+runs with the test suite's fault wrapper (``tests/support/faults``) for the whole pass.
 """
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ class FaultKind(str, Enum):
     SIGSTOP = "sigstop"  # worker SIGSTOP for duration_s, then SIGCONT
     KILL_WORKER = "kill-worker"  # worker kill -9, restarted after duration_s
     KILL_LEADER = "kill-leader"  # leader kill -9, restarted after duration_s
-    DISK_EIO = "disk-eio"  # the G3 file returns EIO (spec: faulty_worker.py's KVBM_STRESS_DISK_EIO)
-    STALL = "stall"  # chosen copies sleep on their lane (spec: KVBM_STRESS_STALL)
-    FAIL = "fail"  # chosen copies fail (spec: KVBM_STRESS_FAIL)
+    DISK_EIO = "disk-eio"  # every K-th G3 read/write returns EIO (spec: K, KVBM_FAULT_DISK_EIO_EVERY)
+    STALL = "stall"  # chosen copies sleep on their lane (spec: KVBM_FAULT_STALL)
+    FAIL = "fail"  # chosen copies fail (spec: KVBM_FAULT_FAIL)
 
 
 @dataclass(frozen=True)
@@ -39,13 +39,14 @@ class Fault:
     def timed(self) -> bool:
         return self.kind in (FaultKind.SIGSTOP, FaultKind.KILL_WORKER, FaultKind.KILL_LEADER)
 
-    def worker_env(self) -> tuple[tuple[str, str], ...]:
+    def worker_faults(self) -> tuple[tuple[str, str], ...]:
+        """``(NAME, value)`` of the fault wrapper's ``KVBM_FAULT_<NAME>`` (tests/support/faults)."""
         if self.kind is FaultKind.DISK_EIO:
-            return (("KVBM_STRESS_DISK_EIO", self.spec),)
+            return (("DISK_EIO_EVERY", self.spec),)
         if self.kind is FaultKind.STALL:
-            return (("KVBM_STRESS_STALL", self.spec),)
+            return (("STALL", self.spec),)
         if self.kind is FaultKind.FAIL:
-            return (("KVBM_STRESS_FAIL", self.spec),)
+            return (("FAIL", self.spec),)
         return ()
 
     def describe(self) -> dict:

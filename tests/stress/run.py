@@ -59,7 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     f.add_argument("--fault-delay", type=float, default=1.0, help="seconds after the wave started")
     f.add_argument("--sigstop-secs", type=float, default=35.0, help="longer than the connector's 30 s waits")
     f.add_argument("--down-secs", type=float, default=2.0, help="a killed daemon's time before restart")
-    f.add_argument("--eio", default="p=0.3,seed=1", help="KVBM_STRESS_DISK_EIO of the disk-eio pass")
+    f.add_argument("--eio-every", default="3", help="the disk-eio pass: every K-th G3 read/write fails (KVBM_FAULT_DISK_EIO_EVERY)")
     p.add_argument("--skip-baseline-check", action="store_true")
     p.add_argument("--tag", default="", help="suffix of the pass directories (several runs in one --work)")
     p.add_argument("--debug", action="store_true", help="DYN_LOG=debug on the node, connector trace in the engine")
@@ -79,7 +79,7 @@ def fault_of(name: str, args) -> list[Fault]:
     if kind in (FaultKind.KILL_WORKER, FaultKind.KILL_LEADER):
         return [Fault(kind, args.fault_wave, args.fault_delay, args.down_secs)]
     if kind is FaultKind.DISK_EIO:
-        return [Fault(kind, spec=args.eio)]
+        return [Fault(kind, spec=args.eio_every)]
     raise SystemExit(f"unknown pass {name!r}; one of {', '.join(PASSES)}")
 
 

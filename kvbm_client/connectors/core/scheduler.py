@@ -7,7 +7,11 @@ adapter translates its hooks into these calls, in this order per request:
 1. :meth:`SchedulerCore.lookup` (vLLM ``get_num_new_matched_tokens``): the first time, one
    ``PrepareLoad`` that matches, counts the hit and pins the stored prefix after the
    engine's own (local) prefix; returns ``(tokens to load, asynchronous)``. Asked again
-   while the request waits, it answers the same without a round trip.
+   while the request waits, it answers the same without a round trip as long as the
+   engine's own prefix is the same length and the plan is not past its deadline; else it
+   releases the plan and plans again (the engine counts the loaded tokens after the local
+   prefix of the call it acted on: a plan for another start would land in blocks the engine
+   does not count as loaded).
 2. :meth:`SchedulerCore.allocated` (``update_state_after_alloc``): the engine gave the
    request its blocks; the load is planned into them (and started early on the worker
    daemons), or released when the engine took no external tokens.
@@ -124,15 +128,17 @@ class SchedulerCore:
         whether the load is asynchronous (the request then waits for it)."""
         state = self._track(request)
         asynchronous = not self.settings.sync_loads
+        first = num_computed_tokens // self.block_size
         if state.load is not None and not state.load_sent:
-            return state.load.num_blocks * self.block_size, asynchronous  # asked again: same answer
+            if self._still_valid(state, first):
+                return state.load.num_blocks * self.block_size, asynchronous  # asked again: same answer
+            self._release(state)  # the engine's own prefix changed meanwhile, or the plan expired
         num_tokens = len(request.all_token_ids)
         if state.miss_at == (num_computed_tokens, num_tokens):
             return 0, False  # asked again while the request waits for space: same miss
         t0 = time.perf_counter()
         keys = state.keys()
         t1 = time.perf_counter()
-        first = num_computed_tokens // self.block_size
         # NOTE: at least the last prompt token is computed by the engine: it needs its logits
         # (and vLLM's CPU kernels crash, SIGILL, on a prompt that arrives whole).
         last = min(len(keys), (num_tokens - 1) // self.block_size)
@@ -151,6 +157,15 @@ class SchedulerCore:
         log.debug("kvbm hit %s: %d blocks after %d local (%s load)", request.request_id, handle.num_blocks, first,
                   self.settings.load_mode.value)
         return handle.num_blocks * self.block_size, asynchronous
+
+    @staticmethod
+    def _still_valid(state: RequestState, first: int) -> bool:
+        """The held plan may be answered again: it starts where the engine's own prefix ends
+        now (a plan for another start would land where the engine does not count it) and its
+        deadline has not passed (the worker daemon would refuse it)."""
+        assert state.load is not None
+        live = state.load.deadline <= 0 or time.monotonic() < state.load.deadline
+        return state.load_first_block == first and live
 
     # ------------------------------------------------------------------ 2. allocation
     def pending_load(self, req_id: str) -> bool:
@@ -175,7 +190,8 @@ class SchedulerCore:
         signed = state.load.signed
         assert signed is not None, "a non-empty load handle carries its signed plan"
         spec = LoadSpec(RequestId(req_id), signed.plan, signed.signature,
-                        [EngineBlockId(b) for b in block_ids[first:first + n]], sync=self.settings.sync_loads)
+                        [EngineBlockId(b) for b in block_ids[first:first + n]], sync=self.settings.sync_loads,
+                        deadline=state.load.deadline)
         self._loads.append(spec)
         state.load_sent = True
         if self._early is not None:
@@ -240,7 +256,8 @@ class SchedulerCore:
         picked = [owners[i] for i in handle.indices]
         for req_id in set(picked):
             self._reqs[req_id].has_stores = True
-        return [StoreSpec(handle.signed.plan, handle.signed.signature, [blocks[i] for i in handle.indices], picked)]
+        return [StoreSpec(handle.signed.plan, handle.signed.signature, [blocks[i] for i in handle.indices], picked,
+                          deadline=handle.deadline)]
 
     # ------------------------------------------------------------------ 4. end
     def finished(self, req_id: str) -> bool:

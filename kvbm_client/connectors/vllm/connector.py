@@ -45,7 +45,8 @@ class KvbmConnector(KVConnectorBase_V1):
             self._scheduler = KvbmConnectorScheduler(self._block_size, self._settings, workers)
         else:
             self._rank = compat.worker_rank(vllm_config)
-            self._worker = KvbmConnectorWorker(str(extra.get("worker_id", self._rank)), self._settings)
+            self._worker = KvbmConnectorWorker(str(extra.get("worker_id", self._rank)), self._settings,
+                                               compat.overlapping_steps(vllm_config))
 
     # ==== properties ====
     @property

@@ -63,8 +63,8 @@ def region_from_kv_caches(kv_caches: dict[str, Any], shm_path: str | None, base_
 class KvbmConnectorWorker:
     """vLLM's worker-side connector hooks, translated for the core."""
 
-    def __init__(self, worker_id: str, settings: ConnectorSettings) -> None:
-        self.core = WorkerCore(WorkerId(worker_id), settings)
+    def __init__(self, worker_id: str, settings: ConnectorSettings, overlapping_steps: int = 1) -> None:
+        self.core = WorkerCore(WorkerId(worker_id), settings, overlapping_steps=overlapping_steps)
         self.cuda = False
 
     def set_region(self, spec: RegionSpecLike | None, cuda: bool = False) -> None:
