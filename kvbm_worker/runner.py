@@ -96,7 +96,7 @@ class Counters:
 
     values: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
         ("bytes_stored", "bytes_loaded", "bytes_demoted", "bytes_promoted", "jobs_ok", "jobs_failed", "jobs_joined",
-         "jobs_late", "jobs_refused_busy", "corrupt_disk_slots", "corrupt_host_slots"), 0.0))
+         "jobs_late", "jobs_expired", "jobs_refused_busy", "corrupt_disk_slots", "corrupt_host_slots"), 0.0))
 
     def add(self, name: str, amount: float = 1) -> None:
         self.values[name] += amount
@@ -255,7 +255,11 @@ class JobRunner:
             self.counters.add("corrupt_disk_slots" if exc.tier is Tier.DISK else "corrupt_host_slots", len(exc.slots))
             log.error("%s: %s; the leader drops those copies", job, exc)
             return CopyFailed(Code.DATA_LOSS, f"{job} failed on worker {self.worker_id}: {exc}", {exc.tier: exc.slots})
-        if isinstance(exc, (CopyExpired, DiskHung)):
+        if isinstance(exc, CopyExpired):  # W2 of kvbm_client.connectors.core: stopped at its time limit
+            self.counters.add("jobs_expired")
+            log.error("%s failed: %s", job, exc)
+            return CopyFailed(Code.DEADLINE_EXCEEDED, f"{job} failed on worker {self.worker_id}: {exc}")
+        if isinstance(exc, DiskHung):
             log.error("%s failed: %s", job, exc)
         else:
             log.error("%s failed", job, exc_info=exc)

@@ -16,8 +16,8 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from kvbm_client import KvbmClient, KvbmConfig, ShmKvBuffer
-from kvbm_client.connectors.core import (ConnectorSettings, LeaderLink, RequestExtras, SchedulerCore, StepPlan,
-                                         WorkerCore)
+from kvbm_client.connectors.core import (ConnectorSettings, EarlyLoads, LeaderLink, RequestExtras, SchedulerCore,
+                                         StepPlan, WorkerCore)
 from kvbm_client.hashing import BlockIdentity
 from kvbm_client.ids import WorkerId
 
@@ -45,15 +45,16 @@ def keys_of(token_ids: Sequence[int]) -> list[bytes]:
 
 
 class CoreEngine:
-    """The cores of one engine (one worker, no early loads) on ``buffer``."""
+    """The cores of one engine (one worker) on ``buffer``; ``early``: the scheduler side starts
+    loads early (as the vLLM adapter does without asynchronous scheduling)."""
 
-    def __init__(self, node: StressNode, buffer: ShmKvBuffer, **extra: object) -> None:
+    def __init__(self, node: StressNode, buffer: ShmKvBuffer, early: bool = False, **extra: object) -> None:
         self.node, self.buffer = node, buffer
         self.settings = ConnectorSettings.from_extra(
-            {"socket_dir": node.env["DYN_KVBM_SOCKET_DIR"], "retry_s": 0.5, "early_loads": False, **extra},
+            {"socket_dir": node.env["DYN_KVBM_SOCKET_DIR"], "retry_s": 0.5, "early_loads": early, **extra},
             NAMESPACE)
         self.sched = SchedulerCore(BS, self.settings, LeaderLink(self.settings, "windows"),
-                                   lambda request: RequestExtras())
+                                   lambda request: RequestExtras(), EarlyLoads(self.settings, ["0"]) if early else None)
         self.worker = WorkerCore(WorkerId("0"), self.settings)
         self.worker.set_region(buffer.spec())
 

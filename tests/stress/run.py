@@ -59,7 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     f.add_argument("--fault-delay", type=float, default=1.0, help="seconds after the wave started")
     f.add_argument("--sigstop-secs", type=float, default=35.0, help="longer than the connector's 30 s waits")
     f.add_argument("--down-secs", type=float, default=2.0, help="a killed daemon's time before restart")
-    f.add_argument("--eio-every", default="3", help="the disk-eio pass: every K-th G3 read/write fails (KVBM_FAULT_DISK_EIO_EVERY)")
+    f.add_argument("--eio-every", default="3",
+                   help="the disk-eio pass: every K-th G3 read/write fails (KVBM_FAULT_DISK_EIO_EVERY)")
     p.add_argument("--skip-baseline-check", action="store_true")
     p.add_argument("--tag", default="", help="suffix of the pass directories (several runs in one --work)")
     p.add_argument("--debug", action="store_true", help="DYN_LOG=debug on the node, connector trace in the engine")

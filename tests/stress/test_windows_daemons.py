@@ -170,6 +170,35 @@ def test_a_worker_that_never_answers_a_load_is_stopped_before_the_blocks_go_back
         eng.close()
 
 
+# ---------------------------------------------------------------------------- window 4 (its CPU part)
+def test_an_early_load_never_lands_in_blocks_a_store_still_reads(stress_node, engine_buffer):
+    """The engine preempts A while A's store (stalled 6 s on the store lane) still reads A's
+    blocks, and gives them to R, whose prefix comes from kvbm. R's load must wait for the
+    worker side's fence: started early (when the engine allocated R's blocks) it wrote them
+    at once, and A's store then kept R's bytes under A's keys."""
+    node = stress_node(NodeConfig(g2_blocks=64, g3_blocks=0, faults=(("STALL", "store:2:6"),)))
+    eng = CoreEngine(node, engine_buffer, early=True)
+    try:
+        x = Req("X", tokens(13, 4 * BS + 1))
+        eng.store(x, range(10, 15))  # store 1: R's prefix in kvbm
+        a = Req("A", tokens(14, 4 * BS + 1))
+        eng.schedule(a, range(5))
+        eng.step({"A": len(a.all_token_ids)})  # store 2: reads engine blocks 0..3 for 6 s
+        original = engine_buffer.array[0:4].copy()
+        r = Req("R", x.all_token_ids[:4 * BS] + tokens(15, 10))
+        assert eng.schedule(r, [0, 1, 2, 3, 20]) == 4 * BS  # A's blocks, taken back by the preemption
+        eng.step({"R": len(r.all_token_ids)}, preempted=["A"])
+        eng.worker.fence()
+        assert node.injected_faults(), "A's store did not stall: the window was not opened"
+        again = Req("again", a.all_token_ids[:4 * BS] + tokens(16, 10))
+        n = eng.schedule(again, range(24, 29)) // BS
+        eng.step({"again": len(again.all_token_ids)})
+        assert n == 4 and not eng.worker.take_load_errors()
+        assert np.array_equal(engine_buffer.array[24:28], original), "A's keys hold another request's KV"
+    finally:
+        eng.close()
+
+
 # ---------------------------------------------------------------------------- window 5
 def test_old_leaders_report_does_not_confirm_a_new_job(stress_node, engine_buffer):
     """Job ids restart at 1 with a new leader: the first leader's job 1 (stalled 15 s on the

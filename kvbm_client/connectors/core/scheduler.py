@@ -13,12 +13,16 @@ adapter translates its hooks into these calls, in this order per request:
    prefix of the call it acted on: a plan for another start would land in blocks the engine
    does not count as loaded).
 2. :meth:`SchedulerCore.allocated` (``update_state_after_alloc``): the engine gave the
-   request its blocks; the load is planned into them (and started early on the worker
-   daemons), or released when the engine took no external tokens.
+   request its blocks; the load is planned into them, or released when the engine took no
+   external tokens.
 3. :meth:`SchedulerCore.assign_blocks` then :meth:`SchedulerCore.step`
    (``build_connector_meta``): every block that this step completes (by the tokens computed
    once its forward ran) is offloaded, one ``PrepareStore`` for all requests of the step;
    returns the :class:`StepPlan` to send to the workers (loads, stores, delayed frees, fence).
+   The step's loads are started early on the worker daemons here, unless the step fences: a
+   block the engine took back from a preempted request may be the destination of a load of
+   this step while a store still reads it, and only the worker side's fence orders the two
+   (an engine that schedules a step before the previous one ran must not pass ``early``).
 4. :meth:`SchedulerCore.finished` (``request_finished``): True when the request's blocks
    must stay allocated until its stores are done (the worker side reports it).
 
@@ -194,10 +198,6 @@ class SchedulerCore:
                         deadline=state.load.deadline)
         self._loads.append(spec)
         state.load_sent = True
-        if self._early is not None:
-            sent = self._early.submit(spec)
-            if tracing():
-                trace("early_load", req=req_id, blocks=n, workers=sent)
         state.num_stored = max(state.num_stored, first + n)
 
     def _release(self, state: RequestState) -> None:
@@ -225,6 +225,11 @@ class SchedulerCore:
         plan = StepPlan(loads=self._loads, delayed_frees=self._delayed)
         self._loads, self._delayed = [], []
         plan.fence = any(s.has_stores for s in map(self._reqs.get, map(RequestId, preempted)) if s is not None)
+        if self._early is not None and not plan.fence:
+            for spec in plan.loads:
+                sent = self._early.submit(spec)
+                if tracing():
+                    trace("early_load", req=spec.req_id, blocks=len(spec.engine_blocks), workers=sent)
         keys: list[BlockHash] = []
         blocks: list[EngineBlockId] = []
         owners: list[RequestId] = []

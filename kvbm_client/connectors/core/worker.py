@@ -89,12 +89,16 @@ class WorkerCore:
         self.link.register(spec)
 
     # ------------------------------------------------------------------ loads
-    def start_loads(self, loads: Sequence[LoadSpec], wait: bool = True) -> None:
+    def start_loads(self, loads: Sequence[LoadSpec], wait: bool = True,
+                    ready: Callable[[], None] | None = None) -> None:
         """Send every load of the step (one daemon call each, all in parallel); with ``wait``,
         also wait for the synchronous ones (else call :meth:`wait_loads` before the forward).
-        Called once per engine step, loads or not."""
+        ``ready``: called first when there are loads (blocks until nothing the engine enqueued
+        before can still write their blocks). Called once per engine step, loads or not."""
         self._tainted_steps = max(0, self._tainted_steps - 1)
         if loads:
+            if ready is not None:
+                ready()
             self.daemon.learn()  # the process that may run these copies (a no-op while it runs)
         for spec in loads:
             due = answer_by(spec.deadline)
