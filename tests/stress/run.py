@@ -57,7 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     f.add_argument("--passes", default=",".join(PASSES), help=f"comma-separated, of {', '.join(PASSES)}")
     f.add_argument("--fault-wave", type=int, default=1)
     f.add_argument("--fault-delay", type=float, default=1.0, help="seconds after the wave started")
-    f.add_argument("--sigstop-secs", type=float, default=35.0, help="longer than the connector's 30 s waits")
+    f.add_argument("--sigstop-secs", type=float, default=35.0,
+                   help="longer than the connector's waits (job timeout + 5 s) and the old fixed 30 s")
     f.add_argument("--down-secs", type=float, default=2.0, help="a killed daemon's time before restart")
     f.add_argument("--eio-every", default="3",
                    help="the disk-eio pass: every K-th G3 read/write fails (KVBM_FAULT_DISK_EIO_EVERY)")
@@ -88,7 +89,7 @@ def machine() -> dict:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
     return {"host": platform.node(), "platform": platform.platform(), "cpu": cpu, "cpus": os.cpu_count(),
-            "python": platform.python_version()}
+            "python": platform.python_version(), "loadavg_at_start": os.getloadavg()}
 
 
 def commit() -> str:
@@ -138,6 +139,7 @@ def main(argv=None) -> int:
         print(json.dumps({k: v for k, v in outcome.items() if k not in ("differing", "node")}), flush=True)
         if args.out:  # after each pass: a long run that is stopped keeps what it measured
             Path(args.out).write_text(json.dumps(result, indent=1))
+    result["loadavg_at_end"] = os.getloadavg()
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return 1 if failed else 0

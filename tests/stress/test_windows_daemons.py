@@ -60,6 +60,7 @@ def test_load_lands_where_the_engine_counts_the_external_tokens(stress_node, eng
 
 
 # ---------------------------------------------------------------------------- window 2
+@pytest.mark.stress_long  # a 33 s stall (the old fixed wait was 30 s); C1 has a unit test
 def test_a_store_is_waited_for_until_its_deadline(stress_node, engine_buffer):
     """A's store sleeps 33 s on the store lane, inside its 40 s job timeout. After a preemption
     the fence must not hand A's blocks back while the copy may still read them: before the fix
@@ -118,6 +119,7 @@ def test_a_stored_copy_read_after_its_deadline_is_never_served(stress_node, engi
 
 
 # ---------------------------------------------------------------------------- window 3
+@pytest.mark.stress_long  # a 33 s stall (the old fixed wait was 30 s); C1 has a unit test
 def test_a_load_is_waited_for_until_its_deadline(stress_node, engine_buffer):
     """A load sleeps 33 s on the load lane, inside its 40 s job timeout. Before the fix the
     connector gave up after a fixed 30 s (the engine recomputed, the request ended and its
