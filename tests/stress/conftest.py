@@ -18,8 +18,8 @@ LONG = os.environ.get("KVBM_STRESS_LONG", "") == "1"
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "stress_long: an engine-level stress test (minutes); run by `make stress` "
-                                       "(KVBM_STRESS_LONG=1), not by `make test`")
+    config.addinivalue_line("markers", "stress_long: a slow stress test (engine runs, or a stall longer than the "
+                                       "old 30 s wait); run by `make stress` (KVBM_STRESS_LONG=1), not by `make test`")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

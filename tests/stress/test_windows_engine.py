@@ -46,9 +46,10 @@ def _engine_window(stress_model, stress_node, tmp_path, workload: Workload, faul
 
 
 def test_store_copy_outliving_the_connector_wait_is_never_served(stress_model, stress_node, tmp_path):
-    """Request A's first store sleeps 36 s on the worker's store lane. The connector waits 30 s,
-    frees A's blocks, and other requests write their KV there; then the copy reads them and
-    is committed under A's hashes. A later request with A's prefix loads it."""
+    """Request A's first store sleeps 36 s on the worker's store lane, inside its 40 s job
+    timeout. Before the fix the connector waited a fixed 30 s, A's blocks went to other
+    requests, and the copy stored their KV under A's keys; a later request with A's prefix
+    loaded it. Now the connector waits until the plan's deadline (+ margin)."""
     others = [Request(f"B{i}", _prompt(100 + i, 170), 24) for i in range(12)]
     a, again = _a_and_again(again_max_tokens=8)
     workload = Workload([a, again, *others], [Wave(["A"]), Wave([r.id for r in others]), Wave(["A-again"])])
@@ -57,9 +58,10 @@ def test_store_copy_outliving_the_connector_wait_is_never_served(stress_model, s
 
 
 def test_load_copy_outliving_the_connector_wait_never_lands(stress_model, stress_node, tmp_path):
-    """A's prefix comes back from kvbm, but the copy sleeps 36 s on the load lane. The connector
-    waits 30 s, reports a load error (vLLM recomputes), A finishes, its blocks go to C requests;
-    then the copy writes A's bytes into them."""
+    """A's prefix comes back from kvbm, but the copy sleeps 36 s on the load lane (40 s job
+    timeout). Before the fix the connector waited 30 s, reported a load error (vLLM
+    recomputed), A finished, its blocks went to C requests, and then the copy wrote A's bytes
+    into them (3 of the 12 C requests differed). Now the connector waits for the copy."""
     evict = [Request(f"E{i}", _prompt(200 + i, 170), 8) for i in range(6)]
     victims = [Request(f"C{i}", _prompt(300 + i, 64), 120) for i in range(12)]
     a, again = _a_and_again(again_max_tokens=4)
