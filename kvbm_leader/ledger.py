@@ -17,7 +17,9 @@ Protocol:
 
 Invariants: a job settles once (it leaves the table before its copies are settled); a job a
 worker started is never rolled back before that worker reported or the job expired
-(deadline + grace), so a late copy never lands in a reused slot (see :mod:`.jobs`).
+(deadline + grace), so a late copy never lands in a reused slot (see :mod:`.jobs`); a STORE
+reported after its deadline is rolled back (its copy may have read engine blocks that the
+engine had already reused), so its bytes are never served.
 """
 from __future__ import annotations
 
@@ -146,7 +148,15 @@ class JobLedger:
     async def report(self, job_id: JobId, worker_id: WorkerId, ok: bool, error: str,
                      bad: Sequence[tuple[Tier, SlotId]] = ()) -> JobState | None:
         """One worker's word on a job; settles the job once it is decided and fully reported.
-        None: late (already settled: expired, released or pools re-planned)."""
+        None: late (already settled: expired, released or pools re-planned).
+
+        A STORE reported after its deadline fails: the engine may have taken back the blocks
+        its copy read (its connector waits for a store until the deadline plus a margin, then
+        the engine reuses them), so what was stored is never served."""
+        pending = self.jobs.get(job_id)
+        late = pending is not None and time.monotonic() > pending.deadline
+        if ok and late and pending is not None and pending.placement.kind is PlanKind.STORE:
+            ok, error = False, "store reported after its deadline (the engine may have reused the blocks it read)"
         job = self.jobs.report(job_id, worker_id, ok, error)
         if job is None:
             return None

@@ -137,9 +137,8 @@ class PoolAllocator:
             old = self.current
             if old is not None and old.fits(host_geo, disk_geo, persist):
                 # same geometry: keep the memory; its contents are now void (G3 too, unless persistent)
+                await self._lanes.drain()  # no copy of the old epoch (or leader) runs into the new one
                 old.epoch = plan.epoch
-                if persist is not None:
-                    await self._lanes.drain()  # copies of the old epoch are refused from now on; wait for running ones
                 old.mover.renew()
                 log.info("pools kept for epoch %d", plan.epoch)
                 return True, ""

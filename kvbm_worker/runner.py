@@ -8,11 +8,21 @@ A job, once:
 
 1. :mod:`.plan_check` (signature, epoch, ranges) and, for a new job, its deadline;
 2. a place in its lane (:class:`~.lanes.Lanes`, bounded: RESOURCE_EXHAUSTED);
-3. the leader's go (``StartTransfer``: a released, expired or settled job stops here);
-4. on the lane, right before the first byte: its deadline again, and the pool epoch;
-5. the copy (:class:`~.mover.BlockMover`), which stops at the point where the leader may
-   reuse the job's slots (deadline + half the leader's grace);
-6. the report to the leader (``CompleteTransfer``, with the slots that failed verification).
+3. the leader's go (``StartTransfer``: a released, expired or settled job stops here), asked
+   only of the leader that issued the plan;
+4. on the lane, right before the first byte: its deadline again, the pool epoch, and the
+   leader (a plan of a leader that has since been replaced moves nothing);
+5. the copy (:class:`~.mover.BlockMover`), which stops at the plan's deadline for a transfer
+   (the engine's memory is touched by no copy after it: the connector's waits rely on it) and
+   at deadline + half the leader's grace for a command (the leader keeps a job's slots until
+   deadline + grace);
+6. the report to the leader that issued the plan (``CompleteTransfer``, with the slots that
+   failed verification); a job of a previous leader is never reported (its job id may name
+   another job of the new leader) and fails instead.
+
+Status codes of ``Transfer``: UNAVAILABLE only while this daemon shuts down (engines read it
+as "the daemon and its regions are gone"); a job that fails because the leader is away or
+did not confirm it is ABORTED (the daemon still holds the engine's region).
 """
 from __future__ import annotations
 
@@ -69,6 +79,10 @@ class LeaderGate(Protocol):
     def grace(self) -> float:
         """Seconds the leader keeps a job's slots after its deadline."""
 
+    @property
+    def leader_id(self) -> str:
+        """The current leader's id ("" while not attached)."""
+
     async def start_job(self, job: JobKey) -> float:
         """The leader's go for a new job: its deadline; raises :class:`JobFailed` if not live
         (or if the job is another leader's)."""
@@ -83,7 +97,7 @@ class Counters:
 
     values: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
         ("bytes_stored", "bytes_loaded", "bytes_demoted", "bytes_promoted", "jobs_ok", "jobs_failed", "jobs_joined",
-         "jobs_late", "jobs_refused_busy", "corrupt_disk_slots", "corrupt_host_slots"), 0.0))
+         "jobs_late", "jobs_expired", "jobs_refused_busy", "corrupt_disk_slots", "corrupt_host_slots"), 0.0))
 
     def add(self, name: str, amount: float = 1) -> None:
         self.values[name] += amount
@@ -122,7 +136,12 @@ class JobRunner:
         region = self.regions.get(request.region_id)
         if region is None:
             raise PlanRejected(Code.NOT_FOUND, f"unknown region {request.region_id!r}")
-        batch = check_transfer(request.plan, self.gate.plan_key, self.pools.current, region, request.engine_blocks)
+        try:
+            batch = check_transfer(request.plan, self.gate.plan_key, self.pools.current, region, request.engine_blocks)
+        except PlanRejected as exc:
+            if exc.code is Code.UNAVAILABLE:  # not attached to a leader: this daemon and the region are still here
+                raise PlanRejected(Code.ABORTED, exc.message, exc.job_id) from None
+            raise
         kind = batch.kind.name.lower()
         job = self._jobs.get(batch.job)
         joined = job is not None
@@ -153,13 +172,18 @@ class JobRunner:
             moved = await self._copy(batch, region, ticket)
         except CopyFailed as exc:
             self.counters.add("jobs_failed")
-            await self.gate.report(JobReport(batch.job_id, False, exc.message,
-                                             bad_disk_slots=tuple(exc.bad.get(Tier.DISK, ())),
-                                             bad_host_slots=tuple(exc.bad.get(Tier.HOST, ()))))
+            if self._of_current_leader(batch):
+                await self.gate.report(JobReport(batch.job_id, False, exc.message,
+                                                 bad_disk_slots=tuple(exc.bad.get(Tier.DISK, ())),
+                                                 bad_host_slots=tuple(exc.bad.get(Tier.HOST, ()))))
             raise
         except JobFailed:
             self.counters.add("jobs_failed")
             raise
+        if not self._of_current_leader(batch):
+            self.counters.add("jobs_failed")
+            raise JobFailed(Code.ABORTED, f"job {batch.job_id} belongs to leader {batch.job.leader_id}, which has "
+                                          "been replaced; not reported (the new leader's job of that id is another)")
         store = batch.kind is PlanKind.STORE
         self.counters.add("bytes_stored" if store else "bytes_loaded", moved.bytes)
         self.counters.add("jobs_ok")
@@ -174,30 +198,49 @@ class JobRunner:
             task.add_done_callback(self._reports.discard)
             return moved
         if not await self.gate.report(report):
-            raise JobFailed(Code.UNAVAILABLE, f"job {batch.job_id}: bytes stored but the leader did not confirm them")
+            raise JobFailed(Code.ABORTED, f"job {batch.job_id}: bytes stored but the leader did not confirm them")
         return moved
 
     async def _copy(self, batch: Batch, region: EngineRegion | None, ticket: Ticket) -> Moved:
         """Steps 3 to 5 of the module docstring. Raises :class:`JobFailed` when the leader says
         no (nothing moved, nothing to report), :class:`CopyFailed` when the copy failed."""
         try:
+            self._check_leader(batch)
             deadline = min(batch.deadline, await self.gate.start_job(batch.job))
+            self._check_leader(batch)  # the go came from the leader that issued the plan
         except JobFailed as exc:
             ticket.release()
             log.warning("%s", exc.message)
+            if exc.code is Code.UNAVAILABLE:  # the leader is away; this daemon and the region are not
+                raise JobFailed(Code.ABORTED, exc.message) from None
             raise
-        until = deadline + GRACE_SHARE * self.gate.grace
+        until = deadline if batch.kind in (PlanKind.LOAD, PlanKind.STORE) else deadline + GRACE_SHARE * self.gate.grace
         try:
             nbytes, seconds = await self.lanes.run(ticket, deadline, self._on_lane, batch, region, until)
         except Exception as exc:
             raise self._failure(batch, exc) from None
         return Moved(nbytes, seconds)
 
+    def _of_current_leader(self, batch: Batch) -> bool:
+        """NOTE: read on the event loop, where a new leader's welcome is handled: a report sent
+        right after this check goes to the plan's leader, or to a new one that has no job yet
+        (its jobs exist only after this worker's PoolsReady, sent after the welcome)."""
+        return batch.job.leader_id == self.gate.leader_id
+
+    def _check_leader(self, batch: Batch) -> None:
+        if not self._of_current_leader(batch):
+            raise JobFailed(Code.FAILED_PRECONDITION, f"job {batch.job_id}: its leader {batch.job.leader_id} has "
+                                                      "been replaced; nothing moved")
+
     def _on_lane(self, batch: Batch, region: EngineRegion | None, until: float) -> int:
-        """On the lane thread, after its deadline check: the pools must still be the plan's."""
+        """On the lane thread, after its deadline check: the pools and the leader must still
+        be the plan's (a new leader numbers its epochs and jobs from 1 again)."""
         pools = self.pools.current
         if pools is None or pools.epoch != batch.job.epoch:
             raise Refusal(Code.FAILED_PRECONDITION, f"pools left epoch {batch.job.epoch} while the job was queued")
+        if batch.job.leader_id != self.gate.leader_id:
+            raise Refusal(Code.FAILED_PRECONDITION, f"leader {batch.job.leader_id} was replaced while the job was "
+                                                    "queued")
         mover: BlockMover = pools.mover
         return mover.run(batch, region, until)
 
@@ -213,7 +256,11 @@ class JobRunner:
             self.counters.add("corrupt_disk_slots" if exc.tier is Tier.DISK else "corrupt_host_slots", len(exc.slots))
             log.error("%s: %s; the leader drops those copies", job, exc)
             return CopyFailed(Code.DATA_LOSS, f"{job} failed on worker {self.worker_id}: {exc}", {exc.tier: exc.slots})
-        if isinstance(exc, (CopyExpired, DiskHung)):
+        if isinstance(exc, CopyExpired):  # W2 of kvbm_client.connectors.core: stopped at its time limit
+            self.counters.add("jobs_expired")
+            log.error("%s failed: %s", job, exc)
+            return CopyFailed(Code.DEADLINE_EXCEEDED, f"{job} failed on worker {self.worker_id}: {exc}")
+        if isinstance(exc, DiskHung):
             log.error("%s failed: %s", job, exc)
         else:
             log.error("%s failed", job, exc_info=exc)

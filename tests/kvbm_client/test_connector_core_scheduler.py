@@ -3,6 +3,7 @@ decisions against a fake leader that remembers what was stored. No engine, no da
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -24,6 +25,7 @@ class FakeLeader:
         self.calls: list[tuple[str, list]] = []
         self.released: list[TransferHandle] = []
         self.down = False
+        self.deadline = 0.0  # of the plans it signs (0: none)
         self._jobs = itertools.count(1)
 
     def _handle(self, kind: PlanKind, indices: list[int]) -> TransferHandle:
@@ -31,7 +33,7 @@ class FakeLeader:
             return TransferHandle(kind, None, 0)
         job = next(self._jobs)
         signed = pb.SignedPlan(plan=f"plan-{job}".encode(), signature=b"sig")
-        return TransferHandle(kind, JobId(job), len(indices), tuple(indices), signed=signed)
+        return TransferHandle(kind, JobId(job), len(indices), tuple(indices), deadline=self.deadline, signed=signed)
 
     def prepare_load(self, hashes, count_hit=False, tokens_per_block=0):
         self.calls.append(("prepare_load", list(hashes)))
@@ -120,10 +122,10 @@ def test_a_hit_is_loaded_into_the_blocks_after_the_local_prefix_and_not_stored_a
     assert core.lookup(req, 1 * BS) == (4 * BS, False), "1 local block, 4 from kvbm, the last token computed"
     assert core.pending_load("y")
     core.allocated("y", [10, 11, 12, 13, 14, 15], 4 * BS)
-    (load,) = early.sent
-    assert load.engine_blocks == [11, 12, 13, 14] and load.sync and load.req_id == "y"
     core.assign_blocks("y", [10, 11, 12, 13, 14, 15], replace=True)
     plan = core.step({"y": 21})
+    (load,) = early.sent
+    assert load.engine_blocks == [11, 12, 13, 14] and load.sync and load.req_id == "y"
     assert plan.loads == [load]
     assert plan.stores == [], "the loaded blocks are in kvbm already"
     assert core.lookup(req, 5 * BS) == (0, False), "a request loads once"
@@ -139,13 +141,57 @@ def test_an_asynchronous_hit_is_answered_the_same_while_the_request_waits():
     assert leader.names().count("prepare_load") == 2, "asked again: no second round trip"
 
 
+def test_a_held_hit_is_planned_again_when_the_local_prefix_changed_while_the_request_waited():
+    """Issue 17 window 1: the engine counts the loaded tokens after the local prefix of the
+    lookup it acted on; a plan made for another local prefix would land elsewhere."""
+    leader, early = FakeLeader(), FakeEarly()
+    run_prefill(make(leader), Request("x", list(range(21))), [0, 1, 2, 3, 4, 5])
+    core = make(leader, early=early)
+    req = Request("y", list(range(21)))
+    assert core.lookup(req, 2 * BS) == (3 * BS, False), "2 local blocks, 3 from kvbm"
+    assert core.lookup(req, 2 * BS) == (3 * BS, False), "asked again, same local prefix: same plan"
+    assert core.lookup(req, 0) == (5 * BS, False), "the engine's cache lost its 2 blocks meanwhile"
+    assert [h.num_blocks for h in leader.released] == [3], "the first plan is given back"
+    core.allocated("y", [10, 11, 12, 13, 14, 15], 5 * BS)
+    assert core.step({}).loads[0].engine_blocks == [10, 11, 12, 13, 14]
+
+
+def test_a_held_hit_past_its_deadline_is_planned_again():
+    leader = FakeLeader()
+    run_prefill(make(leader), Request("x", list(range(17))), [0, 1, 2, 3, 4])
+    core = make(leader)
+    req = Request("y", list(range(17)))
+    leader.deadline = time.monotonic() - 1  # the request waits for space past the plan's deadline
+    assert core.lookup(req, 0) == (4 * BS, False)
+    leader.deadline = 0.0
+    assert core.lookup(req, 0) == (4 * BS, False)
+    assert len(leader.released) == 1 and leader.names().count("prepare_load") == 3
+
+
 def test_the_engine_may_take_what_the_lookup_answered_without_saying_how_much():
     leader, early = FakeLeader(), FakeEarly()
     run_prefill(make(leader), Request("x", list(range(17))), [0, 1, 2, 3, 4])
     core = make(leader, early=early)
     assert core.lookup(Request("y", list(range(17))), 0) == (4 * BS, False)
     core.allocated("y", [9, 8, 7, 6, 5])  # TensorRT-LLM's update_state_after_alloc has no count
+    core.step({})
     assert early.sent[0].engine_blocks == [9, 8, 7, 6]
+
+
+def test_no_load_starts_early_in_a_step_that_fences():
+    """Issue 17 window 4: the engine took a preempted request's blocks back in this step; a
+    load of this step may land in them while a store still reads them. Only the worker
+    side's fence orders the two, so the load waits for the worker side."""
+    leader, early = FakeLeader(), FakeEarly()
+    core = make(leader, early=early)
+    preempted = Request("p", list(range(100, 109)))
+    run_prefill(core, preempted, [0, 1, 2])  # its two blocks are being stored
+    run_prefill(make(leader), Request("x", list(range(17))), [0, 1, 2, 3, 4])
+    core.lookup(Request("y", list(range(17))), 0)
+    core.allocated("y", [0, 1, 5, 6, 7], 4 * BS)  # blocks 0 and 1 were the preempted request's
+    plan = core.step({}, preempted=["p"])
+    assert plan.fence and [x.engine_blocks for x in plan.loads] == [[0, 1, 5, 6]]
+    assert early.sent == [], "started before the fence"
 
 
 def test_a_pinned_hit_the_engine_does_not_take_is_released():

@@ -2,6 +2,7 @@
 driven with futures the test completes. No daemon, no engine."""
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 
 import grpc
@@ -116,3 +117,46 @@ def test_a_cancelled_transfer_is_a_failure_not_a_crash(tracker, seen):
     tracker.settle_sync_loads()
     assert tracker.take_load_errors() == {9}
     assert len(seen["failures"]) == 1
+
+
+# ---------------------------------------------------------------------------- unanswered loads (issue 17 window 3)
+@pytest.fixture
+def stopped() -> list:
+    return []
+
+
+@pytest.fixture
+def guarded(seen, stopped) -> TransferTracker:
+    """A tracker whose ``on_unanswered`` records the load it was called for (the worker core
+    stops the daemon there)."""
+    return TransferTracker(on_failure=seen["failures"].append, on_unanswered=stopped.append)
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED])
+def test_a_load_whose_connection_broke_stops_the_daemon_before_it_counts_as_failed(guarded, stopped, code):
+    guarded.load_sent("a", failed(Failed(code)), [1, 2], sync=True, answer_by=time.monotonic() + 60)
+    assert guarded.settle_sync_loads() is True, "the step's synchronous load failed"
+    assert [item.engine_blocks for item in stopped] == [[1, 2]]
+    assert guarded.take_load_errors() == {1, 2}
+
+
+def test_a_load_not_answered_by_its_deadline_stops_the_daemon(guarded, stopped):
+    late: Future = Future()
+    guarded.load_sent("a", late, [3], sync=False, answer_by=time.monotonic() - 1)
+    late.set_exception(Failed(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))  # our own deadline
+    assert guarded.finished() == (set(), {"a"})
+    assert len(stopped) == 1 and guarded.take_load_errors() == {3}
+
+
+def test_a_load_the_daemon_refused_needs_no_stop(guarded, stopped):
+    refused: Future = Future()
+    guarded.load_sent("a", refused, [4], sync=True, answer_by=time.monotonic() + 60)
+    refused.set_exception(Failed(grpc.StatusCode.DEADLINE_EXCEEDED, "job 3 is past its deadline"))  # its answer
+    guarded.load_sent("b", failed(Failed(grpc.StatusCode.ABORTED, "copy failed")), [5], sync=True)
+    assert guarded.settle_sync_loads() is True
+    assert stopped == [] and guarded.take_load_errors() == {4, 5}
+
+
+def test_a_step_whose_synchronous_loads_succeeded_is_not_tainted(guarded):
+    guarded.load_sent("a", done(), [1], sync=True)
+    assert guarded.settle_sync_loads() is False

@@ -79,3 +79,10 @@ def test_block_pages_view(compat):
     assert torch.equal(pages[2], raw[2].reshape(-1))
     with pytest.raises(ValueError):
         compat.block_pages(raw.permute(1, 0, 2, 3))
+
+
+def test_overlapping_steps_follow_asynchronous_scheduling(compat):
+    assert compat.overlapping_steps(SimpleNamespace(max_concurrent_batches=2)) == 2  # vLLM 0.32 computes it
+    sync = SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=False))
+    overlapped = SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=True))
+    assert compat.overlapping_steps(sync) == 1 and compat.overlapping_steps(overlapped) == 2

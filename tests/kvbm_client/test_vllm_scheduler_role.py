@@ -29,7 +29,7 @@ class FakeLeader:
         self.calls.append(("prepare_load", (hashes,)))
         n = min(self.stored, len(hashes))
         signed = SimpleNamespace(plan=b"plan", signature=b"sig")
-        return SimpleNamespace(num_blocks=n, is_empty=n == 0, signed=signed if n else None)
+        return SimpleNamespace(num_blocks=n, is_empty=n == 0, signed=signed if n else None, deadline=0.0)
 
     def prepare_store(self, hashes):
         self.calls.append(("prepare_store", (hashes,)))

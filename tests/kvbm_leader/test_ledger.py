@@ -239,3 +239,25 @@ def test_a_bad_slot_not_in_the_job_is_ignored() -> None:
     run(ledger.report(load.job_id, W0, False, "?", [(HOST, other), (DISK, SlotId(3))]))
     assert ledger.placement.registry.get(key(2)).ready_in(HOST)
     assert ledger.metrics.values["kvbm_corrupt_blocks"] == 0
+
+
+# --------------------------------------------------------------------------- late stores (issue 17 window 2)
+def test_a_store_reported_after_its_deadline_is_rolled_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine takes a store's blocks back once its connector stopped waiting (the plan's
+    deadline plus a margin): a copy reported after the deadline may have read reused blocks."""
+    import kvbm_leader.ledger as ledger_module
+
+    ledger, _ = make_ledger(workers=(W0,), host=2)
+    store, _ = ledger.new(ledger.placement.prepare_store(ledger.jobs.next_id(), keys(1, 2)), S)
+    now = store.deadline + 0.001
+    monkeypatch.setattr(ledger_module.time, "monotonic", lambda: now)
+    assert run(ledger.report(store.job_id, W0, True, "")) is JobState.FAILED
+    assert ledger.placement.match(keys(1, 2), False).num_matched == 0, "a late store was committed"
+    assert free(ledger) == 2 and ledger.metrics.values["kvbm_failed_jobs"] == 1
+
+
+def test_a_store_reported_before_its_deadline_is_committed() -> None:
+    ledger, _ = make_ledger(workers=(W0,), host=2)
+    store, _ = ledger.new(ledger.placement.prepare_store(ledger.jobs.next_id(), keys(1, 2)), S)
+    assert run(ledger.report(store.job_id, W0, True, "")) is JobState.CONFIRMED
+    assert ledger.placement.match(keys(1, 2), False).num_matched == 2

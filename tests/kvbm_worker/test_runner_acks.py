@@ -20,6 +20,7 @@ NODE_KEY = NodeKey(b"n" * 32)
 class Attached:
     """The runner's view of a leader link attached to leader "L" (no leader is called here)."""
 
+    leader_id = "L"
     plan_key = NODE_KEY.plan_key("L")
     grace = 5.0
 

@@ -3,8 +3,8 @@
 Runs in the harness (kvbm venv). A timed fault strikes ``delay_s`` after the engine marked
 the start of wave ``wave`` (``wave-K.start`` in the marker directory) and lasts
 ``duration_s``: SIGSTOP then SIGCONT of the worker, or kill -9 of a daemon then its restart
-(as ``kvbm serve`` would restart it). A disk fault is no event: the worker runs with the
-test-only EIO hook of ``faulty_worker.py`` for the whole pass.
+(as ``kvbm serve`` would restart it). Disk, stall and fail faults are no events: the worker
+runs with the test suite's fault wrapper (``tests/support/faults``) for the whole pass.
 """
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ class FaultKind(str, Enum):
     SIGSTOP = "sigstop"  # worker SIGSTOP for duration_s, then SIGCONT
     KILL_WORKER = "kill-worker"  # worker kill -9, restarted after duration_s
     KILL_LEADER = "kill-leader"  # leader kill -9, restarted after duration_s
-    DISK_EIO = "disk-eio"  # the G3 file returns EIO (spec: faulty_worker.py's KVBM_STRESS_DISK_EIO)
-    STALL = "stall"  # chosen copies sleep on their lane (spec: KVBM_STRESS_STALL)
-    FAIL = "fail"  # chosen copies fail (spec: KVBM_STRESS_FAIL)
+    DISK_EIO = "disk-eio"  # every K-th G3 read/write returns EIO (spec: K, KVBM_FAULT_DISK_EIO_EVERY)
+    STALL = "stall"  # chosen copies sleep on their lane (spec: KVBM_FAULT_STALL)
+    FAIL = "fail"  # chosen copies fail (spec: KVBM_FAULT_FAIL)
 
 
 @dataclass(frozen=True)
@@ -39,13 +39,14 @@ class Fault:
     def timed(self) -> bool:
         return self.kind in (FaultKind.SIGSTOP, FaultKind.KILL_WORKER, FaultKind.KILL_LEADER)
 
-    def worker_env(self) -> tuple[tuple[str, str], ...]:
+    def worker_faults(self) -> tuple[tuple[str, str], ...]:
+        """``(NAME, value)`` of the fault wrapper's ``KVBM_FAULT_<NAME>`` (tests/support/faults)."""
         if self.kind is FaultKind.DISK_EIO:
-            return (("KVBM_STRESS_DISK_EIO", self.spec),)
+            return (("DISK_EIO_EVERY", self.spec),)
         if self.kind is FaultKind.STALL:
-            return (("KVBM_STRESS_STALL", self.spec),)
+            return (("STALL", self.spec),)
         if self.kind is FaultKind.FAIL:
-            return (("KVBM_STRESS_FAIL", self.spec),)
+            return (("FAIL", self.spec),)
         return ()
 
     def describe(self) -> dict:
@@ -55,7 +56,10 @@ class Fault:
 
 @dataclass
 class FaultInjector:
-    """Strikes the timed faults of one pass from a thread; every wait is bounded by ``alive``."""
+    """Strikes the timed faults of one pass from a thread, and restarts a daemon that exited
+    as ``kvbm serve`` would (after 0.4 s; a killed one after the fault's ``duration_s``: the
+    connector may kill a worker that does not answer a load). Every wait is bounded by
+    ``alive`` (the engine still runs) and :meth:`stop`."""
 
     node: StressNode
     faults: list[Fault]
@@ -63,6 +67,7 @@ class FaultInjector:
     alive: "callable"  # -> bool: the engine still runs
     events: list[dict] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    restart_after_s: float = 0.4
     _thread: threading.Thread | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
 
@@ -79,38 +84,59 @@ class FaultInjector:
         self._stop.set()
         self.join()
 
-    def _sleep(self, seconds: float) -> bool:
-        """False when the injector was stopped meanwhile."""
-        return not self._stop.wait(seconds)
-
     def _event(self, what: str) -> None:
         self.events.append({"t": time.time(), "what": what})
 
     def _run(self) -> None:
+        pending = [f for f in self.faults if f.timed]
+        due: dict[Fault, float] = {}  # fault -> when it strikes (its wave has started)
+        resume: list[tuple[float, object]] = []  # (when, process) to SIGCONT
+        down_until: dict[Daemon, float] = {}  # a daemon not to restart before then
         try:
-            for fault in (f for f in self.faults if f.timed):
-                marker = self.marker_dir / f"wave-{fault.wave}.start"
-                while not marker.exists():
-                    if not self.alive() or not self._sleep(0.05):
-                        self.errors.append(f"engine ended before wave {fault.wave}: {fault.kind.value} not injected")
-                        return
-                if self._sleep(fault.delay_s):
-                    self._strike(fault)
+            while not self._stop.is_set() and (self.alive() or resume):
+                now = time.monotonic()
+                for fault in [f for f in pending if f not in due]:
+                    if (self.marker_dir / f"wave-{fault.wave}.start").exists():
+                        due[fault] = now + fault.delay_s
+                for fault in [f for f in pending if due.get(f, float("inf")) <= now]:
+                    pending.remove(fault)
+                    self._strike(fault, now, resume, down_until)
+                for when, proc in [r for r in resume if r[0] <= now]:
+                    resume.remove((when, proc))
+                    proc.send_signal(signal.SIGCONT)  # a no-op on a process that exited meanwhile
+                    self._event("worker SIGCONT")
+                self._supervise(now, down_until)
+                self._stop.wait(0.05)
+            if pending:
+                self.errors.append(f"engine ended before {[f.kind.value for f in pending]} struck")
         except Exception as exc:  # reported in the pass result, never lost in a thread
             self.errors.append(f"{type(exc).__name__}: {exc}")
+        finally:
+            for _, proc in resume:
+                proc.send_signal(signal.SIGCONT)
 
-    def _strike(self, fault: Fault) -> None:
+    def _strike(self, fault: Fault, now: float, resume: list, down_until: dict) -> None:
         node = self.node
         if fault.kind is FaultKind.SIGSTOP:
-            node.signal(Daemon.WORKER, signal.SIGSTOP)
+            proc = node.process(Daemon.WORKER)
+            proc.send_signal(signal.SIGSTOP)
+            resume.append((now + fault.duration_s, proc))
             self._event("worker SIGSTOP")
-            self._sleep(fault.duration_s)
-            node.signal(Daemon.WORKER, signal.SIGCONT)
-            self._event("worker SIGCONT")
             return
         what = Daemon.WORKER if fault.kind is FaultKind.KILL_WORKER else Daemon.LEADER
+        down_until[what] = now + fault.duration_s
         node.kill(what)
         self._event(f"{what.value} kill -9")
-        if self._sleep(fault.duration_s):  # never restart a daemon of a node being closed
-            node.restart(what)
-            self._event(f"{what.value} restarted")
+
+    def _supervise(self, now: float, down_until: dict) -> None:
+        """Start a daemon that exited again, as ``kvbm serve`` would."""
+        for what in Daemon:
+            if not self.node.process(what).exited:
+                continue
+            if what not in down_until:
+                down_until[what] = now + self.restart_after_s
+                self._event(f"{what.value} exited ({self.node.process(what).returncode})")
+            elif now >= down_until[what]:
+                del down_until[what]
+                self.node.restart(what)
+                self._event(f"{what.value} restarted")

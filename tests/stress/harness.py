@@ -29,7 +29,8 @@ TIER_COUNTERS = ("kvbm_offload_blocks_d2h", "kvbm_offload_blocks_h2d", "kvbm_onb
                  "kvbm_offload_skipped_present", "kvbm_offload_skipped_full", "kvbm_failed_jobs",
                  "kvbm_lost_blocks", "kvbm_matched_tokens")
 #: lines of the engine's log that count the connector's fallbacks
-ENGINE_LOG_COUNTS = {"loads_failed": "vLLM recomputes it", "stores_failed": "kvbm store of",
+ENGINE_LOG_COUNTS = {"loads_failed": "the engine recomputes it", "stores_failed": "kvbm store of",
+                     "stores_dropped": "store plans are dropped", "worker_killed": "killing it, so that no late copy",
                      "vllm_recovered_load_failures": "Recovered from KV load failure",
                      "worker_lost": "will re-register", "leader_unreachable": "serving without kvbm hits"}
 
@@ -199,8 +200,8 @@ def run_pass(name: str, model: Path, workload: Workload, baseline: dict, engine:
     """One engine run through a fresh kvbm node, faults injected; compared with ``baseline``."""
     root = work / name
     root.mkdir(parents=True, exist_ok=True)
-    env_faults = tuple(kv for f in faults for kv in f.worker_env())
-    node = StressNode(root / "node", replace(node_cfg, worker_faults=node_cfg.worker_faults + env_faults))
+    worker_faults = tuple(kv for f in faults for kv in f.worker_faults())
+    node = StressNode(root / "node", replace(node_cfg, faults=node_cfg.faults + worker_faults))
     started = time.time()
     env = {"DYN_KVBM_SOCKET_DIR": node.env["DYN_KVBM_SOCKET_DIR"]}
     if trace:  # one JSON line per connector decision (kvbm_client/connectors/vllm/worker.py)

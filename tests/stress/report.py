@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 COLUMNS = ("pass", "code", "differing", "preemptions", "tokens from kvbm", "G1→G2", "G2→G3", "G2→G1",
-           "G3→G1", "G3→G2", "failed loads", "TTFT p99", "longest request")
+           "G3→G1", "G3→G2", "failed loads", "worker restarts", "TTFT p99", "longest request")
 
 
 def code_of(result: dict) -> str:
@@ -24,7 +24,8 @@ def row(result: dict, p: dict) -> list[str]:
             f"{p['external_hit_tokens']:.0f}", f"{kv['kvbm_offload_blocks_d2h']:.0f}",
             f"{kv['kvbm_offload_blocks_h2d']:.0f}", f"{kv['kvbm_onboard_blocks_h2d']:.0f}",
             f"{kv['kvbm_onboard_blocks_d2d']:.0f}", f"{kv['kvbm_promoted_blocks']:.0f}",
-            f"{p['engine_log'].get('vllm_recovered_load_failures', 0)}", f"{p['ttft_p99_s']:.1f} s",
+            f"{p['engine_log'].get('vllm_recovered_load_failures', 0)}", str(p.get("restarts", {}).get("worker", 0)),
+            f"{p['ttft_p99_s']:.1f} s",
             f"{p['longest_request_s']:.1f} s"]
 
 

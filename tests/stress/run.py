@@ -57,9 +57,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     f.add_argument("--passes", default=",".join(PASSES), help=f"comma-separated, of {', '.join(PASSES)}")
     f.add_argument("--fault-wave", type=int, default=1)
     f.add_argument("--fault-delay", type=float, default=1.0, help="seconds after the wave started")
-    f.add_argument("--sigstop-secs", type=float, default=35.0, help="longer than the connector's 30 s waits")
+    f.add_argument("--sigstop-secs", type=float, default=35.0,
+                   help="longer than the connector's waits (job timeout + 5 s) and the old fixed 30 s")
     f.add_argument("--down-secs", type=float, default=2.0, help="a killed daemon's time before restart")
-    f.add_argument("--eio", default="p=0.3,seed=1", help="KVBM_STRESS_DISK_EIO of the disk-eio pass")
+    f.add_argument("--eio-every", default="3",
+                   help="the disk-eio pass: every K-th G3 read/write fails (KVBM_FAULT_DISK_EIO_EVERY)")
     p.add_argument("--skip-baseline-check", action="store_true")
     p.add_argument("--tag", default="", help="suffix of the pass directories (several runs in one --work)")
     p.add_argument("--debug", action="store_true", help="DYN_LOG=debug on the node, connector trace in the engine")
@@ -79,7 +81,7 @@ def fault_of(name: str, args) -> list[Fault]:
     if kind in (FaultKind.KILL_WORKER, FaultKind.KILL_LEADER):
         return [Fault(kind, args.fault_wave, args.fault_delay, args.down_secs)]
     if kind is FaultKind.DISK_EIO:
-        return [Fault(kind, spec=args.eio)]
+        return [Fault(kind, spec=args.eio_every)]
     raise SystemExit(f"unknown pass {name!r}; one of {', '.join(PASSES)}")
 
 
@@ -87,7 +89,7 @@ def machine() -> dict:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
     return {"host": platform.node(), "platform": platform.platform(), "cpu": cpu, "cpus": os.cpu_count(),
-            "python": platform.python_version()}
+            "python": platform.python_version(), "loadavg_at_start": os.getloadavg()}
 
 
 def commit() -> str:
@@ -137,6 +139,7 @@ def main(argv=None) -> int:
         print(json.dumps({k: v for k, v in outcome.items() if k not in ("differing", "node")}), flush=True)
         if args.out:  # after each pass: a long run that is stopped keeps what it measured
             Path(args.out).write_text(json.dumps(result, indent=1))
+    result["loadavg_at_end"] = os.getloadavg()
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return 1 if failed else 0

@@ -67,14 +67,17 @@ class RegionLink:
         if not self._watchdog.is_alive():
             self._watchdog.start()
 
-    def submit(self, plan: bytes, signature: bytes, blocks: list[EngineBlockId]) -> "grpc.Future[Any] | None":
-        """Send one signed plan for ``blocks``; None when no region is registered now."""
+    def submit(self, plan: bytes, signature: bytes, blocks: list[EngineBlockId],
+               timeout: float | None = None) -> "grpc.Future[Any] | None":
+        """Send one signed plan for ``blocks``, answered within ``timeout`` seconds (default: the
+        old fixed wait); None when no region is registered now."""
         with self._lock:
             if not self._ensure_region():
                 return None
             request = pb.TransferRequest(region_id=self._region_id, plan=pb.SignedPlan(plan=plan, signature=signature),
                                          engine_blocks=blocks, sent_at=time.time())
-            future: grpc.Future[Any] = self._stub.Transfer.future(request, timeout=max(self.settings.timeout_s, 30.0))
+            wait = max(self.settings.timeout_s, 30.0) if timeout is None else timeout
+            future: grpc.Future[Any] = self._stub.Transfer.future(request, timeout=wait)
             return future
 
     def failed(self, exc: BaseException) -> None:

@@ -7,14 +7,22 @@ adapter translates its hooks into these calls, in this order per request:
 1. :meth:`SchedulerCore.lookup` (vLLM ``get_num_new_matched_tokens``): the first time, one
    ``PrepareLoad`` that matches, counts the hit and pins the stored prefix after the
    engine's own (local) prefix; returns ``(tokens to load, asynchronous)``. Asked again
-   while the request waits, it answers the same without a round trip.
+   while the request waits, it answers the same without a round trip as long as the
+   engine's own prefix is the same length and the plan is not past its deadline; else it
+   releases the plan and plans again (the engine counts the loaded tokens after the local
+   prefix of the call it acted on: a plan for another start would land in blocks the engine
+   does not count as loaded).
 2. :meth:`SchedulerCore.allocated` (``update_state_after_alloc``): the engine gave the
-   request its blocks; the load is planned into them (and started early on the worker
-   daemons), or released when the engine took no external tokens.
+   request its blocks; the load is planned into them, or released when the engine took no
+   external tokens.
 3. :meth:`SchedulerCore.assign_blocks` then :meth:`SchedulerCore.step`
    (``build_connector_meta``): every block that this step completes (by the tokens computed
    once its forward ran) is offloaded, one ``PrepareStore`` for all requests of the step;
    returns the :class:`StepPlan` to send to the workers (loads, stores, delayed frees, fence).
+   The step's loads are started early on the worker daemons here, unless the step fences: a
+   block the engine took back from a preempted request may be the destination of a load of
+   this step while a store still reads it, and only the worker side's fence orders the two
+   (an engine that schedules a step before the previous one ran must not pass ``early``).
 4. :meth:`SchedulerCore.finished` (``request_finished``): True when the request's blocks
    must stay allocated until its stores are done (the worker side reports it).
 
@@ -124,15 +132,17 @@ class SchedulerCore:
         whether the load is asynchronous (the request then waits for it)."""
         state = self._track(request)
         asynchronous = not self.settings.sync_loads
+        first = num_computed_tokens // self.block_size
         if state.load is not None and not state.load_sent:
-            return state.load.num_blocks * self.block_size, asynchronous  # asked again: same answer
+            if self._still_valid(state, first):
+                return state.load.num_blocks * self.block_size, asynchronous  # asked again: same answer
+            self._release(state)  # the engine's own prefix changed meanwhile, or the plan expired
         num_tokens = len(request.all_token_ids)
         if state.miss_at == (num_computed_tokens, num_tokens):
             return 0, False  # asked again while the request waits for space: same miss
         t0 = time.perf_counter()
         keys = state.keys()
         t1 = time.perf_counter()
-        first = num_computed_tokens // self.block_size
         # NOTE: at least the last prompt token is computed by the engine: it needs its logits
         # (and vLLM's CPU kernels crash, SIGILL, on a prompt that arrives whole).
         last = min(len(keys), (num_tokens - 1) // self.block_size)
@@ -151,6 +161,15 @@ class SchedulerCore:
         log.debug("kvbm hit %s: %d blocks after %d local (%s load)", request.request_id, handle.num_blocks, first,
                   self.settings.load_mode.value)
         return handle.num_blocks * self.block_size, asynchronous
+
+    @staticmethod
+    def _still_valid(state: RequestState, first: int) -> bool:
+        """The held plan may be answered again: it starts where the engine's own prefix ends
+        now (a plan for another start would land where the engine does not count it) and its
+        deadline has not passed (the worker daemon would refuse it)."""
+        assert state.load is not None
+        live = state.load.deadline <= 0 or time.monotonic() < state.load.deadline
+        return state.load_first_block == first and live
 
     # ------------------------------------------------------------------ 2. allocation
     def pending_load(self, req_id: str) -> bool:
@@ -175,13 +194,10 @@ class SchedulerCore:
         signed = state.load.signed
         assert signed is not None, "a non-empty load handle carries its signed plan"
         spec = LoadSpec(RequestId(req_id), signed.plan, signed.signature,
-                        [EngineBlockId(b) for b in block_ids[first:first + n]], sync=self.settings.sync_loads)
+                        [EngineBlockId(b) for b in block_ids[first:first + n]], sync=self.settings.sync_loads,
+                        deadline=state.load.deadline)
         self._loads.append(spec)
         state.load_sent = True
-        if self._early is not None:
-            sent = self._early.submit(spec)
-            if tracing():
-                trace("early_load", req=req_id, blocks=n, workers=sent)
         state.num_stored = max(state.num_stored, first + n)
 
     def _release(self, state: RequestState) -> None:
@@ -209,6 +225,11 @@ class SchedulerCore:
         plan = StepPlan(loads=self._loads, delayed_frees=self._delayed)
         self._loads, self._delayed = [], []
         plan.fence = any(s.has_stores for s in map(self._reqs.get, map(RequestId, preempted)) if s is not None)
+        if self._early is not None and not plan.fence:
+            for spec in plan.loads:
+                sent = self._early.submit(spec)
+                if tracing():
+                    trace("early_load", req=spec.req_id, blocks=len(spec.engine_blocks), workers=sent)
         keys: list[BlockHash] = []
         blocks: list[EngineBlockId] = []
         owners: list[RequestId] = []
@@ -240,7 +261,8 @@ class SchedulerCore:
         picked = [owners[i] for i in handle.indices]
         for req_id in set(picked):
             self._reqs[req_id].has_stores = True
-        return [StoreSpec(handle.signed.plan, handle.signed.signature, [blocks[i] for i in handle.indices], picked)]
+        return [StoreSpec(handle.signed.plan, handle.signed.signature, [blocks[i] for i in handle.indices], picked,
+                          deadline=handle.deadline)]
 
     # ------------------------------------------------------------------ 4. end
     def finished(self, req_id: str) -> bool:

@@ -25,6 +25,9 @@ class LoadSpec:
     #: loaded before this step's forward (the engine counted the tokens as computed); else the
     #: request waits until the worker side reports the load finished.
     sync: bool = False
+    #: the plan's deadline (the node's CLOCK_MONOTONIC seconds; 0: unknown): the worker side
+    #: waits for the copy until then plus a margin (see :mod:`kvbm_client.connectors.core`).
+    deadline: float = 0.0
 
 
 @dataclass
@@ -36,6 +39,8 @@ class StoreSpec:
     engine_blocks: list[EngineBlockId]
     #: owner of each entry of ``engine_blocks``
     req_ids: list[RequestId]
+    #: the plan's deadline, as :attr:`LoadSpec.deadline`
+    deadline: float = 0.0
 
 
 @dataclass

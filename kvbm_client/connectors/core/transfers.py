@@ -11,6 +11,9 @@ Invariants:
 * a request is reported finished loading exactly once, after its load settled; a load that
   failed (or was never sent) has its engine blocks in :meth:`TransferTracker.take_load_errors`
   by then, so the engine recomputes them;
+* a load that got no answer from the daemon (our own deadline passed, or the connection
+  broke) settles only after ``on_unanswered`` returned: the caller makes sure no copy of the
+  daemon can still write its blocks (it stops the daemon) before they count as failed;
 * a finished request is reported finished sending only when none of its stores is in flight
   (the engine frees its blocks then, and no store reads a reused block);
 * after :meth:`TransferTracker.fence` no store is in flight.
@@ -21,6 +24,8 @@ import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Protocol
+
+import grpc
 
 from ...ids import EngineBlockId
 from .specs import RequestId
@@ -44,10 +49,29 @@ class InFlight:
     req_ids: list[RequestId]
     engine_blocks: list[EngineBlockId]
     submitted: float  # time.monotonic() when sent
+    answer_by: float = float("inf")  # time.monotonic() when the call's own deadline passes
+    #: sends the same call again, answered by the given time (a second call of a plan joins its job)
+    retry: "Callable[[float], TransferFuture | None] | None" = None
+    completed: float = 0.0  # time.monotonic() when the future completed (0: not yet)
+
+    def __post_init__(self) -> None:
+        if self.future is not None and hasattr(self.future, "add_done_callback"):
+            self.future.add_done_callback(self._stamp)
+
+    def _stamp(self, _future: object) -> None:
+        self.completed = time.monotonic()
 
     @property
     def done(self) -> bool:
         return self.future is None or self.future.done()
+
+    def unanswered(self, exc: BaseException) -> bool:
+        """The call failed without the daemon's word on the copy: our own deadline passed
+        (it completed at ``answer_by`` or later), the connection broke, or it was cancelled."""
+        code = exc.code() if isinstance(exc, grpc.RpcError) else None
+        if code is None or code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+            return True
+        return code == grpc.StatusCode.DEADLINE_EXCEEDED and (self.completed or time.monotonic()) >= self.answer_by
 
 
 #: ``on_load_done(req_id, item, answer, mode)``: a load settled (``answer`` None when it failed).
@@ -62,6 +86,10 @@ def _ignore_load(req_id: RequestId, item: InFlight, answer: Any, mode: str) -> N
     return None
 
 
+def _ignore_unanswered(item: InFlight) -> None:
+    return None
+
+
 class TransferTracker:
     """Loads and stores of one worker side, from sent to settled.
 
@@ -69,12 +97,16 @@ class TransferTracker:
         on_failure: called with the exception of each failed transfer (the region link
             decides whether the daemon was lost).
         on_load_done: called once per settled load (tracing).
+        on_unanswered: called (and waited for) when a load got no answer, before its blocks
+            count as failed: it must leave no copy that can still write them.
     """
 
     def __init__(self, on_failure: Callable[[BaseException], None] = _ignore_failure,
-                 on_load_done: LoadDone = _ignore_load) -> None:
+                 on_load_done: LoadDone = _ignore_load,
+                 on_unanswered: Callable[[InFlight], None] = _ignore_unanswered) -> None:
         self._on_failure = on_failure
         self._on_load_done = on_load_done
+        self._on_unanswered = on_unanswered
         self._loads: dict[RequestId, InFlight] = {}  # asynchronous loads, reported by finished()
         self._sync_loads: list[InFlight] = []  # waited for before this step's forward
         self._stores: list[InFlight] = []
@@ -84,37 +116,45 @@ class TransferTracker:
 
     # ------------------------------------------------------------------ loads
     def load_sent(self, req_id: RequestId, future: TransferFuture | None, blocks: list[EngineBlockId],
-                  sync: bool) -> None:
-        """A load into ``blocks`` went out (``future`` None: it could not be sent, so its
-        blocks are load errors at once)."""
+                  sync: bool, answer_by: float = float("inf"),
+                  retry: "Callable[[float], TransferFuture | None] | None" = None) -> None:
+        """A load into ``blocks`` went out, its answer due by ``answer_by`` (``future`` None:
+        it could not be sent, so its blocks are load errors at once)."""
         if future is None:
             self._load_errors.update(blocks)
-            item = InFlight(None, [req_id], [], 0.0)
+            item = InFlight(None, [req_id], list(blocks), 0.0)
         else:
-            item = InFlight(future, [req_id], list(blocks), time.monotonic())
+            item = InFlight(future, [req_id], list(blocks), time.monotonic(), answer_by, retry)
         if sync:
             self._sync_loads.append(item)
         else:
             self._loads[req_id] = item
 
-    def settle_sync_loads(self) -> None:
-        """Wait for this step's synchronous loads (sent first, so they ran in parallel)."""
+    def settle_sync_loads(self) -> bool:
+        """Wait for this step's synchronous loads (sent first, so they ran in parallel);
+        returns whether any of them failed (or was never sent)."""
         items, self._sync_loads = self._sync_loads, []
+        ok = True
         for item in items:
-            self._settle_load(item, "sync")
+            ok &= self._settle_load(item, "sync")
+        return not ok
 
-    def _settle_load(self, item: InFlight, mode: str) -> None:
+    def _settle_load(self, item: InFlight, mode: str) -> bool:
+        """Whether the load succeeded."""
         if item.future is None:
-            return
+            return False
         req_id = item.req_ids[0]
         answer = None
         try:
             answer = item.future.result()
         except Exception as exc:  # an RpcError, or cancelled with a replaced channel
+            if item.unanswered(exc):
+                self._on_unanswered(item)
             log.warning("kvbm load for %s failed (%s); the engine recomputes it", req_id, _why(exc))
             self._load_errors.update(item.engine_blocks)
             self._on_failure(exc)
         self._on_load_done(req_id, item, answer, mode)
+        return answer is not None
 
     def take_load_errors(self) -> set[EngineBlockId]:
         """Engine blocks whose load failed since the last call (the engine recomputes them)."""
@@ -123,7 +163,9 @@ class TransferTracker:
 
     # ------------------------------------------------------------------ stores
     def store_sent(self, future: TransferFuture, blocks: list[EngineBlockId], req_ids: list[RequestId]) -> None:
-        """A store of ``blocks`` (owned by ``req_ids``) went out."""
+        """A store of ``blocks`` (owned by ``req_ids``) went out. Its call ends by the plan's
+        deadline plus a margin: a store copy that reads the blocks after that is never served
+        (the leader refuses a store reported after its deadline)."""
         self._stores.append(InFlight(future, list(req_ids), list(blocks), time.monotonic()))
         for req_id in req_ids:
             self._store_refs[req_id] = self._store_refs.get(req_id, 0) + 1

@@ -11,10 +11,18 @@ per step:
    there: the daemon answers after its copy finished, so the forward reads loaded pages);
 3. :meth:`WorkerCore.start_stores` once the step's KV is written (or with ``ready``, a
    wait for that, run on a helper thread: vLLM 0.26 on a GPU returns before the forward ran);
-4. :meth:`WorkerCore.finished` and :meth:`WorkerCore.take_load_errors` (never wait).
+   dropped when a synchronous load of the step (or of the ``overlapping_steps - 1`` before
+   it) failed: the forward computed those blocks over pages that were never loaded, and the
+   engine recomputes them;
+4. :meth:`WorkerCore.finished` and :meth:`WorkerCore.take_load_errors` (never wait, except
+   to stop a daemon that did not answer a load, see below).
 
-A daemon that is down turns loads into load errors (the engine recomputes) and stores into
-skips; the region is registered again when the daemon is back.
+Every call is waited for until the plan's deadline plus :data:`ANSWER_MARGIN_S`, not a fixed
+time. A daemon that is down turns loads into load errors (the engine recomputes) and stores
+into skips; the region is registered again when the daemon is back. A load the daemon did
+not answer by then may still be written later by a stopped or frozen daemon: the worker side
+kills that daemon (:class:`~.daemon_process.DaemonProcess`) before the load counts as failed
+(the ordering argument is in :mod:`kvbm_client.connectors.core`).
 """
 from __future__ import annotations
 
@@ -23,8 +31,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Sequence
 
+import grpc
+
 from ...contract import pb
 from ...ids import EngineBlockId, WorkerId
+from .daemon_process import DaemonProcess
 from .region_link import RegionLink, RegionSpecLike
 from .settings import ConnectorSettings
 from .specs import LoadSpec, RequestId, StoreSpec
@@ -33,15 +44,41 @@ from .transfers import InFlight, TransferTracker
 
 log = logging.getLogger("kvbm.connector")
 
+#: Seconds past a plan's deadline that its call is waited for. NOTE: a live daemon starts no
+#: copy after the deadline and stops a running one at its next chunk, so it has answered by
+#: then unless it is stopped or frozen; the margin covers its event loop and the answer's way.
+ANSWER_MARGIN_S = 5.0
+#: The wait for a call whose plan carries no deadline (an older leader).
+NO_DEADLINE_WAIT_S = 30.0
+#: Seconds to wait for a killed daemon to be gone.
+KILL_WAIT_S = 5.0
+
+
+def answer_by(deadline: float) -> float:
+    """When a call for a plan with ``deadline`` stops being waited for (CLOCK_MONOTONIC)."""
+    return deadline + ANSWER_MARGIN_S if deadline > 0 else time.monotonic() + NO_DEADLINE_WAIT_S
+
 
 class WorkerCore:
-    """One worker side: its region link, its transfers, and the store thread (created the
-    first time a store must wait for the engine's KV to be written)."""
+    """One worker side: its region link, its transfers, the daemon's process (held only to
+    stop it when it does not answer a load), and the store thread (created the first time a
+    store must wait for the engine's KV to be written).
 
-    def __init__(self, worker_id: WorkerId, settings: ConnectorSettings, link: RegionLink | None = None) -> None:
+    Args:
+        overlapping_steps: how many steps the engine runs at once (2 with vLLM's asynchronous
+            scheduling: a step is scheduled before the previous step's failed loads are known,
+            so its forward may compute over them too).
+    """
+
+    def __init__(self, worker_id: WorkerId, settings: ConnectorSettings, link: RegionLink | None = None,
+                 overlapping_steps: int = 1) -> None:
         self.worker_id = worker_id
         self.link = link or RegionLink(worker_id, settings)
-        self.tracker = TransferTracker(on_failure=self.link.failed, on_load_done=_trace_load)
+        self.daemon = DaemonProcess(settings.worker_address(worker_id))
+        self.tracker = TransferTracker(on_failure=self.link.failed, on_load_done=_trace_load,
+                                       on_unanswered=self._stop_daemon)
+        self.overlapping_steps = max(1, overlapping_steps)
+        self._tainted_steps = 0  # steps whose stores are dropped (their forward read unloaded pages)
         self._store_thread: ThreadPoolExecutor | None = None
 
     def set_region(self, spec: RegionSpecLike | None) -> None:
@@ -52,18 +89,68 @@ class WorkerCore:
         self.link.register(spec)
 
     # ------------------------------------------------------------------ loads
-    def start_loads(self, loads: Sequence[LoadSpec], wait: bool = True) -> None:
+    def start_loads(self, loads: Sequence[LoadSpec], wait: bool = True,
+                    ready: Callable[[], None] | None = None) -> None:
         """Send every load of the step (one daemon call each, all in parallel); with ``wait``,
-        also wait for the synchronous ones (else call :meth:`wait_loads` before the forward)."""
+        also wait for the synchronous ones (else call :meth:`wait_loads` before the forward).
+        ``ready``: called first when there are loads (blocks until nothing the engine enqueued
+        before can still write their blocks). Called once per engine step, loads or not."""
+        self._tainted_steps = max(0, self._tainted_steps - 1)
+        if loads:
+            if ready is not None:
+                ready()
+            self.daemon.learn()  # the process that may run these copies (a no-op while it runs)
         for spec in loads:
-            future = self.link.submit(spec.plan, spec.signature, spec.engine_blocks)
-            self.tracker.load_sent(spec.req_id, future, spec.engine_blocks, spec.sync)
+            due = answer_by(spec.deadline)
+            future = self._submit(spec.plan, spec.signature, spec.engine_blocks, due)
+            self.tracker.load_sent(spec.req_id, future, spec.engine_blocks, spec.sync, due, self._resend(spec))
         if wait:
             self.wait_loads()
 
     def wait_loads(self) -> None:
-        """Wait for the synchronous loads sent; failed ones are in :meth:`take_load_errors`."""
-        self.tracker.settle_sync_loads()
+        """Wait for the synchronous loads sent; failed ones are in :meth:`take_load_errors`,
+        and this step's stores (and those of the overlapping steps) are dropped."""
+        if self.tracker.settle_sync_loads():
+            self._tainted_steps = self.overlapping_steps
+
+    def _resend(self, spec: LoadSpec) -> Callable[[float], "grpc.Future[Any] | None"]:
+        return lambda due: self._submit(spec.plan, spec.signature, spec.engine_blocks, due)
+
+    def _submit(self, plan: bytes, signature: bytes, blocks: list[EngineBlockId],
+                due: float) -> "grpc.Future[Any] | None":
+        return self.link.submit(plan, signature, blocks, timeout=max(0.1, due - time.monotonic()))
+
+    def _stop_daemon(self, item: InFlight) -> None:
+        """A load got no answer by its deadline plus the margin: the daemon is stopped, frozen
+        or gone, and a copy it resumes could land in the load's blocks after the engine gave
+        them to another request. Return only once that cannot happen: the daemon's process
+        is gone (killed if need be), or, without a process to hold, it answered again."""
+        if self.daemon.held:
+            if self.daemon.gone():
+                return
+            log.error("kvbm worker %s (pid %d) did not answer a load by its deadline; killing it, so that no late "
+                      "copy lands in blocks the engine reuses (its supervisor restarts it)", self.worker_id,
+                      self.daemon.pid)
+            if self.daemon.kill(KILL_WAIT_S):
+                return
+        self._wait_for_answer(item)
+
+    def _wait_for_answer(self, item: InFlight) -> None:
+        """No process to stop (a TCP address): ask again until the daemon answers (a second
+        call of the same plan joins the job or returns its outcome) or refuses connections."""
+        while item.retry is not None:
+            log.error("kvbm worker %s did not answer a load and cannot be stopped from here; the engine waits "
+                      "for it (a late copy must not land in reused blocks)", self.worker_id)
+            due = time.monotonic() + ANSWER_MARGIN_S
+            future = item.retry(due)
+            if future is None:
+                return  # no region: the daemon is gone (it answered UNAVAILABLE or NOT_FOUND)
+            try:
+                future.result()
+                return
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED or time.monotonic() < due:
+                    return  # the daemon's word, or the connection refused: no copy runs
 
     def take_load_errors(self) -> set[EngineBlockId]:
         """Engine block ids whose load failed since the last call."""
@@ -72,13 +159,19 @@ class WorkerCore:
     # ------------------------------------------------------------------ stores
     def start_stores(self, stores: Sequence[StoreSpec], ready: Callable[[], None] | None = None) -> None:
         """Send the step's stores; with ``ready`` (blocks until the step's KV is written), a
-        helper thread waits for it and sends them, so the engine's thread never blocks here."""
+        helper thread waits for it and sends them, so the engine's thread never blocks here.
+        Nothing is sent when a synchronous load failed in this step or an overlapping one
+        (the plans expire at the leader; the blocks are not offered again)."""
+        if self._tainted_steps and stores:
+            log.warning("kvbm: a synchronous load of this step failed, so its forward read pages that were not "
+                        "loaded; its %d store plans are dropped", len(stores))
+            return
         for spec in stores:
             future: Any
             if ready is not None:
                 future = self._thread().submit(self._store_after, ready, spec)
             else:
-                future = self.link.submit(spec.plan, spec.signature, spec.engine_blocks)
+                future = self._submit(spec.plan, spec.signature, spec.engine_blocks, answer_by(spec.deadline))
             if future is not None:
                 self.tracker.store_sent(future, spec.engine_blocks, spec.req_ids)
 
@@ -89,7 +182,7 @@ class WorkerCore:
 
     def _store_after(self, ready: Callable[[], None], spec: StoreSpec) -> "pb.TransferResponse | None":
         ready()
-        future = self.link.submit(spec.plan, spec.signature, spec.engine_blocks)
+        future = self._submit(spec.plan, spec.signature, spec.engine_blocks, answer_by(spec.deadline))
         return future.result() if future is not None else None
 
     def fence(self) -> None:
@@ -108,6 +201,7 @@ class WorkerCore:
             self._store_thread.shutdown(wait=True)
             self._store_thread = None
         self.link.close()
+        self.daemon.close()
 
 
 def _trace_load(req_id: RequestId, item: InFlight, answer: Any, mode: str) -> None:

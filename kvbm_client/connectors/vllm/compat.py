@@ -52,6 +52,31 @@ def tensor_parallel_size(vllm_config) -> int:
     return max(1, int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1))
 
 
+def overlapping_steps(vllm_config) -> int:
+    """How many engine steps run at once: 2 with asynchronous scheduling (a step is scheduled
+    before the previous one's output, failed loads included, is known), else 1 (more with
+    pipeline parallelism)."""
+    value = getattr(vllm_config, "max_concurrent_batches", None)
+    if isinstance(value, int) and value > 0:
+        return value
+    scheduler = getattr(vllm_config, "scheduler_config", None)
+    return 2 if getattr(scheduler, "async_scheduling", False) else 1
+
+
+def defers_block_frees(vllm_config) -> bool:
+    """vLLM returns a freed or preempted request's blocks to its pool only once the steps in
+    flight that may still write them have run (``Scheduler.defer_block_free``, vllm#45357: with
+    overlapping steps and a KV-consumer connector, as kvbm's ``kv_both``). Without it (a vLLM
+    that predates it), a load into a block reallocated while the previous step still runs on
+    the GPU is not ordered with that step's writes (issue 17 window 4)."""
+    try:
+        from vllm.v1.core.sched.scheduler import Scheduler
+    except ImportError:
+        return False
+    ktc = getattr(vllm_config, "kv_transfer_config", None)
+    return hasattr(Scheduler, "_drain_deferred_frees") and bool(getattr(ktc, "is_kv_consumer", False))
+
+
 def block_page(shape, strides) -> int | None:
     """Elements of one block's page when dim 0 indexes blocks and each block's slice is one
     dense range (any order of the other dims: vLLM 0.26 FlashAttention per-layer views are

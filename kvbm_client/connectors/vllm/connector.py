@@ -59,10 +59,14 @@ class KvbmConnector(KVConnectorBase_V1, SupportsHMA):
         self._shm: Any = None
         if role == KVConnectorRole.SCHEDULER:
             workers = worker_ids(extra, compat.tensor_parallel_size(vllm_config))
-            self._scheduler = KvbmConnectorScheduler(self._block_size, self._settings, workers)
+            self._scheduler = KvbmConnectorScheduler(self._block_size, self._settings, workers,
+                                                     overlapping_steps=compat.overlapping_steps(vllm_config))
         else:
             self._rank = compat.worker_rank(vllm_config)
-            self._worker = KvbmConnectorWorker(str(extra.get("worker_id", self._rank)), self._settings)
+            overlapping = compat.overlapping_steps(vllm_config)
+            self._worker = KvbmConnectorWorker(str(extra.get("worker_id", self._rank)), self._settings, overlapping,
+                                               ordered_loads=overlapping > 1 and not compat.defers_block_frees(
+                                                   vllm_config))
 
     # ==== properties ====
     @property

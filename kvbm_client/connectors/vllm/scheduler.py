@@ -61,11 +61,16 @@ class KvbmConnectorScheduler:
     Args:
         leader: the leader link (default: a :class:`LeaderLink` to ``settings.leader_address``;
             tests pass a fake).
+        overlapping_steps: steps vLLM runs at once (2 with asynchronous scheduling). Loads
+            start early only with 1: with more, the next step is scheduled (and a preempted
+            request's blocks reallocated) before the worker side fenced the previous one, so
+            only the worker side may start a load (issue 17 window 4).
     """
 
     def __init__(self, block_size: int, settings: ConnectorSettings, worker_ids: Sequence[str] | None = None,
-                 leader: LeaderPort | None = None) -> None:
-        early = EarlyLoads(settings, worker_ids) if settings.early_loads and worker_ids else None
+                 leader: LeaderPort | None = None, overlapping_steps: int = 1) -> None:
+        early_ok = settings.early_loads and worker_ids and overlapping_steps <= 1
+        early = EarlyLoads(settings, worker_ids) if early_ok and worker_ids else None
         self.core = SchedulerCore(block_size, settings, leader or LeaderLink(settings, "vllm-scheduler"),
                                   request_extras, early)
 

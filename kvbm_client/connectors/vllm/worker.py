@@ -61,10 +61,20 @@ def region_from_kv_caches(kv_caches: dict[str, Any], shm_path: str | None, base_
 
 
 class KvbmConnectorWorker:
-    """vLLM's worker-side connector hooks, translated for the core."""
+    """vLLM's worker-side connector hooks, translated for the core.
 
-    def __init__(self, worker_id: str, settings: ConnectorSettings) -> None:
-        self.core = WorkerCore(WorkerId(worker_id), settings)
+    Args:
+        overlapping_steps: steps vLLM runs at once (2 with asynchronous scheduling).
+        ordered_loads: a step's loads are sent only once the GPU ran the earlier steps (vLLM
+            schedules the next step while the GPU still runs this one, and a vLLM without
+            deferred block frees may have handed a block that step still writes to a request
+            that loads into it: issue 17 window 4).
+    """
+
+    def __init__(self, worker_id: str, settings: ConnectorSettings, overlapping_steps: int = 1,
+                 ordered_loads: bool = False) -> None:
+        self.core = WorkerCore(WorkerId(worker_id), settings, overlapping_steps=overlapping_steps)
+        self.ordered_loads = ordered_loads
         self.cuda = False
 
     def set_region(self, spec: RegionSpecLike | None, cuda: bool = False) -> None:
@@ -73,7 +83,15 @@ class KvbmConnectorWorker:
         self.core.set_region(spec)
 
     def start_loads(self, meta: KvbmConnectorMetadata) -> None:
-        self.core.start_loads(meta.loads)
+        ready = self._earlier_steps_ran if self.cuda and self.ordered_loads else None
+        self.core.start_loads(meta.loads, ready=ready)
+
+    @staticmethod
+    def _earlier_steps_ran() -> None:
+        """NOTE: the daemon's copies run on its own CUDA stream, unordered with vLLM's: wait
+        until the kernels enqueued so far (the previous step's forward) have run."""
+        import torch
+        torch.cuda.current_stream().synchronize()
 
     def start_stores(self, meta: KvbmConnectorMetadata) -> None:
         if meta.stores:

@@ -12,6 +12,18 @@
 * ``KVBM_FAULT_DISK_SLOW_WRITE_SECS=S``: every G3 write is torn in time: its first half is
   written, then it sleeps S seconds, then it writes the rest (a kill -9 in between leaves a
   slot half old, half new).
+* ``KVBM_FAULT_DISK_EIO_EVERY=K``: every K-th G3 read or write fails with EIO (a flaky disk).
+* ``KVBM_FAULT_STALL=kind:nth:seconds[,...]``: the nth job of that kind (``store``, ``load``,
+  ``demote``, ``promote``; 1-based, counted in this process) sleeps S seconds on its lane
+  after the lane's deadline and epoch checks, before its first byte: a copy accepted and
+  started in time that then stalls (a stopped process, a preempted thread).
+* ``KVBM_FAULT_STALL_COPY=kind:nth:seconds[,...]``: the same, but inside the job's first
+  chunk: the copy checked its time, then the bytes move S seconds later (a process stopped
+  or frozen mid-copy).
+* ``KVBM_FAULT_FAIL=kind:nth[,...]``: the nth job of that kind fails on its lane with EIO
+  before it moves a byte.
+* ``KVBM_FAULT_LOG=PATH``: one line per injected fault is appended there (a test asserts that
+  its fault was injected at all).
 
 Patches are applied when the module that defines the target is imported (a meta path hook),
 so a process that never imports the worker is untouched.
@@ -36,6 +48,66 @@ def _flag(name: str) -> bool:
 def _number(name: str) -> float | None:
     value = os.environ.get(name, "")
     return float(value) if value else None
+
+
+_log_lock = threading.Lock()
+
+
+def note(what: str) -> None:
+    """Record one injected fault: stderr (the daemon's log) and ``KVBM_FAULT_LOG``."""
+    print(f"kvbm_faults: {what}", file=sys.stderr, flush=True)
+    path = os.environ.get("KVBM_FAULT_LOG", "")
+    if path:
+        with _log_lock, open(path, "a") as f:
+            f.write(f"{time.time():.3f} {what}\n")
+
+
+def parse_jobs(spec: str) -> dict[str, dict[int, float]]:
+    """``kind:nth[:seconds],...`` -> {kind: {nth: seconds}} (seconds 0 when absent)."""
+    jobs: dict[str, dict[int, float]] = {}
+    for item in filter(None, spec.split(",")):
+        kind, nth, *seconds = item.split(":")
+        jobs.setdefault(kind, {})[int(nth)] = float(seconds[0]) if seconds else 0.0
+    return jobs
+
+
+class _JobFaults:
+    """Counts jobs per kind on the lanes; stalls or fails the chosen ones."""
+
+    def __init__(self) -> None:
+        self.stalls = parse_jobs(os.environ.get("KVBM_FAULT_STALL", ""))
+        self.copy_stalls = parse_jobs(os.environ.get("KVBM_FAULT_STALL_COPY", ""))
+        self.fails = parse_jobs(os.environ.get("KVBM_FAULT_FAIL", ""))
+        self.lock = threading.Lock()
+        self.seen: dict[str, int] = {}
+        self.current = threading.local()  # the job this lane thread runs: (kind, nth)
+
+    def __bool__(self) -> bool:
+        return bool(self.stalls or self.fails or self.copy_stalls)
+
+    def in_chunk(self) -> None:
+        """A chunk is about to move (after the copy checked its time)."""
+        kind, n = getattr(self.current, "job", ("", 0))
+        seconds = self.copy_stalls.get(kind, {}).pop(n, None)
+        if seconds:
+            note(f"stall {kind} job #{n} inside its first chunk for {seconds:g}s")
+            time.sleep(seconds)
+            note(f"stall {kind} job #{n}: the chunk moves now")
+
+    def before(self, batch: Any) -> None:
+        kind = batch.kind.name.lower()
+        with self.lock:
+            self.seen[kind] = n = self.seen.get(kind, 0) + 1
+        self.current.job = (kind, n)
+        seconds = self.stalls.get(kind, {}).get(n)
+        if seconds:
+            note(f"stall {kind} job #{n} (job id {batch.job_id}, {len(batch.engine_blocks)} engine blocks) "
+                 f"for {seconds:g}s")
+            time.sleep(seconds)
+            note(f"stall {kind} job #{n} copies now")
+        if n in self.fails.get(kind, {}):
+            note(f"fail {kind} job #{n} (job id {batch.job_id}, {len(batch.engine_blocks)} engine blocks)")
+            raise OSError(errno.EIO, f"KVBM_FAULT_FAIL: {kind} job #{n} failed")
 
 
 # ---------------------------------------------------------------------------- patches
@@ -64,6 +136,33 @@ def _patch_mover(module: ModuleType) -> None:
             return int(run(self, batch, region, until))
 
         mover.run = slow_run
+    if JOBS:
+        inner = mover.run
+
+        def faulty_run(self: Any, batch: Any, region: Any, until: float) -> int:
+            JOBS.before(batch)
+            return int(inner(self, batch, region, until))
+
+        mover.run = faulty_run
+        _patch_chunks(mover)
+
+
+def _patch_chunks(cls: type) -> None:
+    """Copy stalls inside a chunk: before the medium moves it (``_to_slots`` / ``_from_slots``)."""
+    if not JOBS.copy_stalls:
+        return
+    for name in ("_to_slots", "_from_slots"):
+        original = getattr(cls, name)
+
+        def stalled(self: Any, *args: Any, _original: Callable[..., Any] = original) -> Any:
+            JOBS.in_chunk()
+            return _original(self, *args)
+
+        setattr(cls, name, stalled)
+
+
+def _patch_cuda(module: ModuleType) -> None:
+    _patch_chunks(module.CudaMover)
 
 
 class _DiskFaults:
@@ -73,6 +172,7 @@ class _DiskFaults:
         self.lock = threading.Lock()
         self.ops = 0
         self.eio_after = _number("KVBM_FAULT_DISK_EIO_AFTER")
+        self.eio_every = int(_number("KVBM_FAULT_DISK_EIO_EVERY") or 0)
         self.hang = _number("KVBM_FAULT_DISK_HANG_READ_SECS")
         self.slow_write = _number("KVBM_FAULT_DISK_SLOW_WRITE_SECS")
         self.hung = False
@@ -88,11 +188,14 @@ class _DiskFaults:
             time.sleep(self.hang or 0.0)
         if self.eio_after is not None and n > self.eio_after:
             raise OSError(errno.EIO, f"KVBM_FAULT_DISK_EIO_AFTER: G3 {op} #{n} failed")
+        if self.eio_every and n % self.eio_every == 0:
+            note(f"eio G3 {op} #{n}")
+            raise OSError(errno.EIO, f"KVBM_FAULT_DISK_EIO_EVERY: G3 {op} #{n} failed")
 
 
 def _patch_disk(module: ModuleType) -> None:
     faults = _DiskFaults()
-    if faults.eio_after is None and faults.hang is None and faults.slow_write is None:
+    if faults.eio_after is None and faults.hang is None and faults.slow_write is None and not faults.eio_every:
         return
     for cls in (module.PosixDiskIO, module.NixlDiskIO):
         for op in ("read", "write"):
@@ -115,8 +218,10 @@ def _wrap_op(cls: type, op: str, faults: _DiskFaults) -> None:
     setattr(cls, op, faulty)
 
 
+JOBS = _JobFaults()
 PATCHES: dict[str, Callable[[ModuleType], None]] = {
     "kvbm_worker.mover": _patch_mover,
+    "kvbm_worker.handlers.cuda": _patch_cuda,
     "kvbm_worker.handlers.disk": _patch_disk,
 }
 
