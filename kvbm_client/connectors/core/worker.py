@@ -25,7 +25,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 from ...contract import pb
 from ...ids import EngineBlockId, WorkerId
-from .region_link import RegionLink, RegionSpecLike
+from ...regions import RegionSpecLike
+from .region_link import RegionLink
 from .settings import ConnectorSettings
 from .specs import LoadSpec, RequestId, StoreSpec
 from .tracing import trace, tracing

@@ -35,7 +35,9 @@ class KvbmConnector(KVConnectorBase_V1):
         extra = dict(getattr(ktc, "kv_connector_extra_config", None) or {})
         model = vllm_config.model_config
         namespace = f"{model.model}|{model.dtype}|{vllm_config.cache_config.block_size}"
-        self._settings = ConnectorSettings.from_extra(extra, namespace)
+        # NOTE: engine_id is the same in the scheduler and worker processes of one engine (vLLM
+        # pickles the config to its workers); the scheduler finds its worker's region ids by it.
+        self._settings = ConnectorSettings.from_extra(extra, namespace, engine_id=str(ktc.engine_id or ""))
         self._block_size = vllm_config.cache_config.block_size
         self._scheduler: KvbmConnectorScheduler | None = None
         self._worker: KvbmConnectorWorker | None = None
@@ -69,7 +71,7 @@ class KvbmConnector(KVConnectorBase_V1):
 
     # ==== Worker-side methods ====
     def get_mem_pool_context(self):
-        """vLLM >= 0.32: allocate the (CPU) KV cache in shared memory the daemon can map."""
+        """vLLM >= 0.32: allocate the (CPU) KV cache in a sealed memfd the daemon can be handed."""
         if compat.is_cuda(self._vllm_config):
             return None
         from .shm_kv import ShmKvAllocation
@@ -81,7 +83,7 @@ class KvbmConnector(KVConnectorBase_V1):
             self._register_gpu(list(kv_caches.values()))
             return
         shm = self._shm
-        spec = region_from_kv_caches(kv_caches, shm.path if shm and shm.tensor is not None else None,
+        spec = region_from_kv_caches(kv_caches, shm.fd if shm and shm.tensor is not None else None,
                                      shm.tensor if shm else None)
         self._worker_role.set_region(spec)
 
@@ -153,4 +155,4 @@ class KvbmConnector(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.shutdown()
         if self._shm is not None:
-            self._shm.unlink()
+            self._shm.close()
