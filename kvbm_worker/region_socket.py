@@ -168,6 +168,8 @@ class RegionSocket:
         finally:
             peer_end.cancel()
             dropped.cancel()
+            # NOTE: let the reader be removed before the socket closes: its fd number is reused
+            await asyncio.gather(peer_end, dropped, return_exceptions=True)
         if self.registry.get(region_id) is not None:
             log.info("engine connection of region %s ended: dropping the region", region_digest(region_id))
             await self.registry.unregister(region_id)
@@ -238,8 +240,9 @@ async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> Non
     def wake() -> None:
         if not ready.done():
             ready.set_result(None)
-    loop.add_reader(sock.fileno(), wake)
+    fd = sock.fileno()
+    loop.add_reader(fd, wake)
     try:
         await ready
     finally:
-        loop.remove_reader(sock.fileno())
+        loop.remove_reader(fd)
