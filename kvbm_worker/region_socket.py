@@ -46,8 +46,9 @@ Code = grpc.StatusCode
 
 #: how long a connection may take to send its registration
 RECEIVE_TIMEOUT_S = 10.0
-#: connections that have not registered yet (beyond: RESOURCE_EXHAUSTED at once)
-MAX_PENDING = 16
+#: connections that have not registered yet (beyond: RESOURCE_EXHAUSTED at once). NOTE: each
+#: may hold up to DYN_KVBM_MAX_REGION_BUFFERS received fds until it is answered
+MAX_PENDING = 4
 
 
 class _Refused(Exception):
@@ -107,25 +108,31 @@ class RegionSocket:
         loop = asyncio.get_running_loop()
         assert self._listener is not None
         while True:
-            conn, _ = await loop.sock_accept(self._listener)
+            try:
+                conn, _ = await loop.sock_accept(self._listener)
+            except OSError as exc:  # e.g. EMFILE: keep the socket, try again shortly
+                log.warning("region socket: accept failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
             conn.setblocking(False)
             task = asyncio.ensure_future(self._serve(conn))
             self._connections.add(task)
             task.add_done_callback(self._connections.discard)
 
     async def _serve(self, conn: socket.socket) -> None:
-        region_id = None
         try:
             region_id = await self._register(conn)
             if region_id is not None:
                 await self._hold(conn, region_id)
         except (ConnectionError, OSError) as exc:
             log.debug("region socket connection: %s", exc)
+        except Exception:
+            log.exception("region socket connection failed")
         finally:
             conn.close()
 
     async def _register(self, conn: socket.socket) -> str | None:
-        """Steps 1 to 4; the region id, or None after a refusal was answered."""
+        """Steps 1 to 3; the region id, or None after a refusal was answered."""
         self._pending += 1
         fds: list[int] = []
         try:
@@ -155,21 +162,26 @@ class RegionSocket:
             self._pending -= 1
             for fd in fds:
                 os.close(fd)
-        await self._reply(conn, pb.RegionSocketReply(region_id=region.region_id))
         return region.region_id
 
     async def _hold(self, conn: socket.socket, region_id: str) -> None:
-        """Step 5: until the peer's end or the region's, whichever comes first."""
+        """Steps 4 and 5: answer, then hold the region until the peer's end or the region's,
+        whichever comes first. Only a worker shutdown (cancellation) leaves the region to the
+        registry; every other way out drops it."""
         loop = asyncio.get_running_loop()
-        peer_end = asyncio.ensure_future(_readable(loop, conn))
-        dropped = asyncio.ensure_future(self.registry.wait_gone(region_id))
         try:
-            await asyncio.wait({peer_end, dropped}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            peer_end.cancel()
-            dropped.cancel()
-            # NOTE: let the reader be removed before the socket closes: its fd number is reused
-            await asyncio.gather(peer_end, dropped, return_exceptions=True)
+            await self._reply(conn, pb.RegionSocketReply(region_id=region_id))
+            peer_end = asyncio.ensure_future(_readable(loop, conn))
+            dropped = asyncio.ensure_future(self.registry.wait_gone(region_id))
+            try:
+                await asyncio.wait({peer_end, dropped}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                peer_end.cancel()
+                dropped.cancel()
+                # NOTE: let the reader be removed before the socket closes: its fd number is reused
+                await asyncio.gather(peer_end, dropped, return_exceptions=True)
+        except (ConnectionError, OSError) as exc:
+            log.debug("region %s: %s", region_digest(region_id), exc)
         if self.registry.get(region_id) is not None:
             log.info("engine connection of region %s ended: dropping the region", region_digest(region_id))
             await self.registry.unregister(region_id)

@@ -3,8 +3,6 @@ and publishes each region id for its scheduler side: real daemons, a worker kill
 restarted, a region dropped by id."""
 from __future__ import annotations
 
-import time
-
 import grpc
 
 from kvbm_client.connectors.core import ConnectorSettings, RegionLink
@@ -12,16 +10,9 @@ from kvbm_client.connectors.core.region_ids import EngineRegionIds
 from kvbm_client.contract import pb, rpc
 from kvbm_client.ids import WorkerId
 from kvbm_client.security import region_digest
+from support.probes import wait_for
 
 ENGINE = "engine-link-test"
-
-
-def wait_for(predicate, what: str, timeout: float = 15.0):
-    end = time.monotonic() + timeout
-    while not (value := predicate()):
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return value
 
 
 def test_the_region_is_kept_registered_and_its_id_published(make_node):
@@ -43,14 +34,14 @@ def test_the_region_is_kept_registered_and_its_id_published(make_node):
         worker = node.workers[WorkerId("0")]
         node.kill(worker)  # SIGKILL, then a fresh worker: it forgot every region
         node.spawn(worker)
-        second = wait_for(lambda: link.region_id not in (None, first) and link.region_id, "re-registration")
+        second = wait_for(lambda: link.region_id not in (None, first) and link.region_id, "re-registration", 15.0)
         assert ids.lookup("0") == second
         wait_for(lambda: [r.digest for r in node.worker_status("0").regions] == [region_digest(second)],
-                 "the worker to list the new region")
+                 "the worker to list the new region", 15.0)
 
         with grpc.insecure_channel(node.config().worker_address("0")) as channel:  # dropped by id
             rpc.WorkerStub(channel).UnregisterRegion(pb.UnregisterRegionRequest(region_id=second), timeout=5)
-        third = wait_for(lambda: link.region_id not in (None, second) and link.region_id, "re-registration")
+        third = wait_for(lambda: link.region_id not in (None, second) and link.region_id, "re-registration", 15.0)
         assert ids.lookup("0") == third
     finally:
         link.close()

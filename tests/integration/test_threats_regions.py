@@ -16,7 +16,6 @@ import signal
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -24,9 +23,10 @@ import numpy as np
 import pytest
 
 from kvbm_client import KvbmClient, KvbmError, ShmKvBuffer, sequence_hashes
-from kvbm_client.contract import pb, rpc
+from kvbm_client.contract import pb
 from kvbm_client.region_wire import RegionRefused, register
 from kvbm_client.security import region_digest
+from support.probes import code_of, wait_for, worker_stub
 
 CODE = grpc.StatusCode
 ENGINE = Path(__file__).resolve().parents[1] / "support" / "region_engine.py"
@@ -37,30 +37,10 @@ def keys(n: int, seed: int) -> list:
     return sequence_hashes([seed * 7_919 + i for i in range(n * 16)], 16)
 
 
-def worker_stub(node) -> rpc.WorkerStub:
-    channel = grpc.insecure_channel(node.config().worker_address("0"))
-    node.clients.append(channel)  # closed with the node
-    return rpc.WorkerStub(channel)
-
-
-def code_of(call) -> grpc.StatusCode:
-    with pytest.raises(grpc.RpcError) as info:
-        call()
-    return info.value.code()
-
-
 def refusal(node, request: "pb.RegisterRegionRequest", fds=()) -> RegionRefused:
     with pytest.raises(RegionRefused) as info:
         register(node.config().region_socket("0"), request, list(fds), 10).close()
     return info.value
-
-
-def wait_for(predicate, what: str, timeout: float = 10.0):
-    end = time.monotonic() + timeout
-    while not (value := predicate()):
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return value
 
 
 class EngineProcess:

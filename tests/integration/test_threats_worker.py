@@ -20,29 +20,18 @@ import pytest
 from kvbm_client import AsyncKvbmClient, KvbmError, KvbmTimeoutError, Tier, sequence_hashes
 from kvbm_client.bus import commands_subject
 from kvbm_client.config import OPTIONS
-from kvbm_client.contract import pb, rpc, sign_plan
+from kvbm_client.contract import pb, sign_plan
 from kvbm_client.region_wire import RegionRefused, register
 from kvbm_client.security import ack_is_authentic, load_node_key
 from kvbm_client.sizing import slot_bytes
 from support.fault_env import fault_env
+from support.probes import code_of, worker_stub
 
 CODE = grpc.StatusCode
 
 
 def hashes(n: int, seed: int = 0):
     return sequence_hashes([seed * 7_777 + i for i in range(n * 16)], 16)
-
-
-def worker_stub(node, worker_id: str = "0") -> rpc.WorkerStub:
-    channel = grpc.insecure_channel(node.config().worker_address(worker_id))
-    node.clients.append(channel)  # closed with the node
-    return rpc.WorkerStub(channel)
-
-
-def code_of(call) -> grpc.StatusCode:
-    with pytest.raises(grpc.RpcError) as info:
-        call()
-    return info.value.code()
 
 
 def worker_counters(node) -> dict[str, float]:
