@@ -23,7 +23,8 @@ from .contract import MatchResult, pb, rpc
 from .errors import KvbmRequestError, KvbmTimeoutError, KvbmUnavailableError, from_rpc_error
 from .handles import TransferHandle, TransferResult, load_handle, store_handle
 from .ids import BlockHash, EngineBlockId, SessionId, WorkerId
-from .regions import RegionSpec
+from .region_wire import RegionLease, register
+from .regions import RegionSpecLike
 from .session import SessionCore
 
 log = logging.getLogger("kvbm.client")
@@ -43,7 +44,7 @@ class AsyncKvbmClient:
         self._discover = not (leader_address or self.config.leader_address) and bool(self.config.etcd_endpoints)
         self.client_name = client_name
         self._session = SessionCore(client_name)
-        self._regions: dict[WorkerId, str] = {}  # worker id -> region id
+        self._regions: dict[WorkerId, RegionLease] = {}  # worker id -> our region there, held open
         self._channel: grpc.aio.Channel | None = None
         self._leader: Any = None  # rpc.LeaderStub (the generated stubs are untyped)
         self._worker_stubs: dict[WorkerId, tuple[grpc.aio.Channel, Any]] = {}
@@ -67,12 +68,13 @@ class AsyncKvbmClient:
 
     @property
     def regions(self) -> Mapping[WorkerId, str]:
-        """Region id of this client's engine memory on each worker (read-only view)."""
-        return MappingProxyType(self._regions)
+        """Region id of this client's engine memory on each worker (read-only)."""
+        return MappingProxyType({w: lease.region_id for w, lease in self._regions.items()})
 
     def region_id(self, worker_id: str) -> str | None:
         """The region this client registered on ``worker_id``, or None."""
-        return self._regions.get(WorkerId(worker_id))
+        lease = self._regions.get(WorkerId(worker_id))
+        return lease.region_id if lease is not None else None
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
@@ -127,6 +129,9 @@ class AsyncKvbmClient:
                 await self._leader.CloseSession(self._session.close_request(), timeout=2)
             except grpc.RpcError:
                 pass
+        for lease in self._regions.values():
+            lease.close()  # the workers drop our regions
+        self._regions.clear()
         for channel, _ in self._worker_stubs.values():
             await channel.close()
         self._worker_stubs.clear()
@@ -177,10 +182,12 @@ class AsyncKvbmClient:
                 raise KvbmTimeoutError(f"kvbm not ready after {timeout:g}s")
             await asyncio.sleep(0.05)
 
-    async def register_region(self, worker_id: str, spec: RegionSpec) -> str:
-        """Hand an engine KV region to a worker; returns its region id. Waits (up to the
-        control timeout) for a worker that has not attached to the leader yet. Registers
-        afresh when called again (e.g. after the worker restarted and lost its regions)."""
+    async def register_region(self, worker_id: str, spec: RegionSpecLike) -> str:
+        """Hand an engine KV region to a worker over its region socket (memfds or CUDA IPC
+        handles; :mod:`.region_wire`); returns its region id. The region stays registered
+        while this client holds it (until :meth:`unregister_region` or :meth:`close`). Waits
+        (up to the control timeout) for a worker that has not attached to the leader yet.
+        Registers afresh when called again (e.g. after the worker restarted and lost it)."""
         worker_id = WorkerId(worker_id)
         end = time.monotonic() + CONTROL_TIMEOUT
         while worker_id not in self.workers:
@@ -191,24 +198,28 @@ class AsyncKvbmClient:
                 raise KvbmTimeoutError(f"worker {worker_id!r} did not attach to the leader within "
                                        f"{CONTROL_TIMEOUT:g}s; attached: {', '.join(self.workers) or 'none'}")
             await asyncio.sleep(0.05)
-        try:
-            resp = await self._worker(worker_id).RegisterRegion(spec.to_request(), timeout=CONTROL_TIMEOUT,
-                                                                wait_for_ready=True)
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc, f"worker {worker_id} RegisterRegion") from None
-        self._regions[worker_id] = resp.region_id
-        return str(resp.region_id)
+        old = self._regions.pop(worker_id, None)
+        if old is not None:
+            old.close()
+        lease = await asyncio.to_thread(register, self.config.region_socket(worker_id), spec.to_request(),
+                                        spec.fds, CONTROL_TIMEOUT)
+        self._regions[worker_id] = lease
+        return lease.region_id
 
     async def unregister_region(self, worker_id: str) -> None:
+        """Drop our region on ``worker_id``; returns once the worker no longer holds it."""
         worker_id = WorkerId(worker_id)
-        region_id = self._regions.pop(worker_id, None)
-        if region_id is None:
+        lease = self._regions.pop(worker_id, None)
+        if lease is None:
             return
         try:
-            await self._worker(worker_id).UnregisterRegion(pb.UnregisterRegionRequest(region_id=region_id),
+            await self._worker(worker_id).UnregisterRegion(pb.UnregisterRegionRequest(region_id=lease.region_id),
                                                            timeout=CONTROL_TIMEOUT)
         except grpc.RpcError as exc:
-            raise from_rpc_error(exc, f"worker {worker_id} UnregisterRegion") from None
+            if exc.code() != grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: the worker dropped it already
+                raise from_rpc_error(exc, f"worker {worker_id} UnregisterRegion") from None
+        finally:
+            lease.close()
 
     async def match(self, hashes: Sequence[BlockHash], tokens_per_block: int = 0,
                     count_hit: bool = True) -> MatchResult:
@@ -243,10 +254,10 @@ class AsyncKvbmClient:
         if not targets:  # e.g. a session re-opened while the workers re-attached to a new leader
             raise KvbmUnavailableError("no worker of this node is known; call refresh_workers()")
         for worker_id in targets:
-            region_id = self._regions.get(worker_id)
-            if region_id is None:
+            lease = self._regions.get(worker_id)
+            if lease is None:
                 raise KvbmRequestError(f"no engine region registered on worker {worker_id}")
-            request = pb.TransferRequest(region_id=region_id, plan=handle.signed, engine_blocks=blocks)
+            request = pb.TransferRequest(region_id=lease.region_id, plan=handle.signed, engine_blocks=blocks)
             timeout = max(1.0, handle.deadline - time.monotonic()) * 2 + 5
             handle.tasks.append(asyncio.ensure_future(self._transfer(worker_id, request, timeout)))
 

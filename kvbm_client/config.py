@@ -143,6 +143,9 @@ OPTIONS: tuple[Option, ...] = (
            "Most (layer, K or V) page placements one engine region may describe.", "kvbm"),
     Option("max_region_buffers", "DYN_KVBM_MAX_REGION_BUFFERS", int, 64,
            "Most buffers (memfds or CUDA allocations) one engine region may map.", "kvbm"),
+    Option("max_regions", "DYN_KVBM_MAX_REGIONS", int, 8,
+           "Engine regions one worker holds at once (engines sharing its cache; more are refused "
+           "with RESOURCE_EXHAUSTED).", "kvbm"),
     # ---- integrity and persistence ----
     Option("disk_io_timeout_secs", "DYN_KVBM_DISK_IO_TIMEOUT_SECS", float, 10.0,
            "A G3 read or write slower than this fails its job (a hung disk never freezes a lane).",
@@ -206,6 +209,7 @@ class KvbmConfig:
     max_name_bytes: int = 256
     max_region_pages: int = 8192
     max_region_buffers: int = 64
+    max_regions: int = 8
     disk_io_timeout_secs: float = 10.0
     host_checksums: bool = False
     disk_persist: bool = False
@@ -284,7 +288,8 @@ class KvbmConfig:
             raise KvbmConfigError(f"DYN_KVBM_METRICS_PORT out of range: {self.metrics_port}")
         for name in ("max_hashes", "job_timeout_secs", "session_ttl_secs", "disk_filter_max_entries",
                      "disk_filter_decay_secs", "max_sessions", "max_session_ttl_secs", "max_queued_jobs",
-                     "max_name_bytes", "max_region_pages", "max_region_buffers", "disk_io_timeout_secs"):
+                     "max_name_bytes", "max_region_pages", "max_region_buffers", "max_regions",
+                     "disk_io_timeout_secs"):
             if not getattr(self, name) > 0:
                 raise KvbmConfigError(f"{_BY_FIELD[name].env} must be positive, got {getattr(self, name)}")
         if not 0 <= self.host_free_watermark < 1:

@@ -14,6 +14,10 @@ Pages are enumerated in C order of the non-block dims in front of the page dims,
 holds ``layer0.K, layer0.V, layer1.K, ...`` for all of these layouts and a block stored from
 one layout can be loaded into another. The engine keeps the tensors alive while registered
 and synchronizes its stream before asking for an offload.
+
+The description is registered over the worker's region socket like a CPU region
+(:mod:`.region_wire`): the handles go in the request, and the worker accepts them only from
+that connection's peer, which becomes the region's owner (the region ends with the connection).
 """
 from __future__ import annotations
 
@@ -45,10 +49,16 @@ class CudaRegionSpec:
     dtype: str = "uint8"
     engine_id: str = field(default_factory=lambda: f"engine-{uuid.uuid4().hex[:8]}")
 
-    def to_request(self, pid: int | None = None) -> "pb.RegisterRegionRequest":
+    @property
+    def fds(self) -> Sequence[int]:
+        """None: the IPC handles travel in the request itself (over the region socket, whose
+        peer becomes the region's owner)."""
+        return ()
+
+    def to_request(self) -> "pb.RegisterRegionRequest":
         buffers = [pb.RegionBuffer(cuda_ipc_handle=b.ipc_handle, size_bytes=b.size_bytes, device=b.device,
                                    offset_bytes=b.offset_bytes) for b in self.buffers]
-        return region_request(self, buffers, pid)
+        return region_request(self, buffers)
 
 
 def page_placements(shape: Sequence[int], strides: Sequence[int], itemsize: int, storage_offset: int,

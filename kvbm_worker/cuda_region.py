@@ -6,23 +6,27 @@ holds KV pages (``kvbm_client.cuda_export``); the worker opens each distinct han
 ``buffer + layer.offset_bytes + block * layer.block_stride_bytes`` exactly like a CPU region, so every bound
 check of :class:`~kvbm_worker.regions.EngineRegion` holds unchanged.
 
+The handles arrive over the region socket only (never gRPC): the connection's peer
+(SO_PEERCRED, our own uid) is the region's owner, and the region ends with that connection.
+NOTE: CUDA cannot tell who exported a legacy IPC handle; what binds a handle to its owner is
+that only that peer's connection carries it and keeps it registered.
+
 Everything CUDA is imported lazily: this module imports on a machine without CUDA.
 """
 from __future__ import annotations
 
 import importlib
 import logging
-import uuid
+import os
 from typing import Any, Sequence
 
 import numpy as np
 import numpy.typing as npt
 
 from kvbm_client.contract import pb
-from kvbm_client.regions import LayerSpec
 
 from .id_arrays import EngineBlocks
-from .regions import EngineRegion, RegionError
+from .regions import EngineRegion, Peer, RegionError
 
 log = logging.getLogger("kvbm.worker")
 
@@ -68,14 +72,10 @@ class CudaEngineRegion(EngineRegion):
     broadcast. Invariant: every page of every layer lies inside its buffer (checked at open).
     """
 
-    def __init__(self, request: "pb.RegisterRegionRequest", device: int) -> None:
+    def __init__(self, request: "pb.RegisterRegionRequest", owner: Peer, device: int) -> None:
         import torch
-        self.region_id = f"region-{uuid.uuid4().hex[:12]}"
-        self.engine_id, self.pid = request.engine_id, request.pid
-        self.page_bytes, self.num_blocks = int(request.page_bytes), int(request.num_blocks)
-        self.dtype = request.dtype
+        self._init_common(request, owner)
         self.device = device
-        self.layers = [LayerSpec(lp.buffer_index, lp.offset_bytes, lp.block_stride_bytes) for lp in request.layers]
         self._validate_shape(request)
         self._maps = []
         self._opened: dict[bytes, int] = {}  # handle -> base pointer, each handle opened once
@@ -101,10 +101,11 @@ class CudaEngineRegion(EngineRegion):
         in the process that made it). ``layers`` are (buffer_index, offset, stride)."""
         import torch
         self = cls.__new__(cls)
-        self.region_id, self.engine_id, self.pid = f"region-{uuid.uuid4().hex[:12]}", "local", 0
-        self.page_bytes, self.num_blocks, self.dtype = page_bytes, num_blocks, dtype
+        request = pb.RegisterRegionRequest(
+            engine_id="local", page_bytes=page_bytes, num_blocks=num_blocks, dtype=dtype,
+            layers=[pb.LayerPlacement(buffer_index=b, offset_bytes=o, block_stride_bytes=s) for b, o, s in layers])
+        self._init_common(request, Peer(os.getpid(), os.getuid(), os.getgid()))
         self.device = tensors[0].device.index
-        self.layers = [LayerSpec(*lay) for lay in layers]
         self._maps, self._opened, self._allocation_end = [], {}, {}
         self.buffers = [t.reshape(-1).view(torch.uint8) for t in tensors]
         self.buffer_ptrs = [t.data_ptr() for t in tensors]

@@ -79,6 +79,7 @@ class WorkerDaemon:
         self._server = make_server(cfg, self.address, node_key)
         rpc.add_WorkerServicer_to_server(service, self._server)
         await start_server(self._server, self.address, cfg)
+        await service.start()  # the region socket, beside the gRPC socket
         await self.cluster.start()
         await link.start(service)
         if log.isEnabledFor(logging.DEBUG):  # DYN_LOG=debug: say when the loop could not answer

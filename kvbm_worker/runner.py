@@ -169,7 +169,8 @@ class JobRunner:
         """One transfer, whoever asked for it and whether or not they still wait. Raises
         :class:`JobFailed` with the status to answer."""
         try:
-            moved = await self._copy(batch, region, ticket)
+            with region.use():  # the region is not closed under this copy (else NOT_FOUND)
+                moved = await self._copy(batch, region, ticket)
         except CopyFailed as exc:
             self.counters.add("jobs_failed")
             if self._of_current_leader(batch):
@@ -178,6 +179,7 @@ class JobRunner:
                                                  bad_host_slots=tuple(exc.bad.get(Tier.HOST, ()))))
             raise
         except JobFailed:
+            ticket.release()  # idempotent: a job refused before its copy (its region unregistered)
             self.counters.add("jobs_failed")
             raise
         if not self._of_current_leader(batch):

@@ -2,15 +2,19 @@
 
 Runs in the worker daemon, on its event loop. Owns, and starts and closes in order:
 
-* the lanes (:mod:`.lanes`), the region registry (:mod:`.region_registry`), the pools
-  (:mod:`.allocation`) and the job runner (:mod:`.runner`).
+* the lanes (:mod:`.lanes`), the region registry (:mod:`.region_registry`) and its region
+  socket (:mod:`.region_socket`), the pools (:mod:`.allocation`) and the job runner
+  (:mod:`.runner`).
 
-Who decides what: ``RegisterRegion``/``UnregisterRegion`` -> the region registry;
-``Transfer``/``Command`` -> the job runner (with :mod:`.plan_check`); ``Status`` -> here.
-The gRPC methods only map refusals (:class:`~.errors.Refusal`) to statuses.
+Who decides what: registrations (region socket only) and ``UnregisterRegion`` -> the region
+registry; ``Transfer``/``Command`` -> the job runner (with :mod:`.plan_check`); ``Status`` ->
+here. The gRPC methods only map refusals (:class:`~.errors.Refusal`) to statuses. gRPC
+``RegisterRegion`` is refused (FAILED_PRECONDITION): memory is handed over as fds on the
+region socket, never named by a path, and never over TCP.
 
-Lifecycle: ``close()`` refuses new requests, waits for the copies, stops the lanes, frees the
-pools and unmaps the region (reverse order of use); idempotent.
+Lifecycle: ``start()`` opens the region socket; ``close()`` refuses new requests, closes the
+region socket, waits for the copies, stops the lanes, frees the pools and unmaps the regions
+(reverse order of use); idempotent.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ from .allocation import DataPath, PoolAllocator
 from .errors import Refusal
 from .lanes import Lanes
 from .region_registry import RegionFactory, RegionRegistry
+from .region_socket import RegionSocket
 from .regions import EngineRegion, RegionLimits
 from .runner import JobRunner, LeaderGate
 
@@ -52,10 +57,10 @@ class WorkerService(rpc.WorkerServicer):  # type: ignore[misc]  # generated base
         if path.gpu is not None:
             from .handlers.cuda import open_region  # lazy: CUDA only on a GPU worker
             factory = functools.partial(open_region, device=path.gpu)
-        self.regions = RegionRegistry(worker_id, RegionLimits.of(config), factory, self.lanes.drain,
-                                      gate.layout_changed)
+        self.regions = RegionRegistry(worker_id, RegionLimits.of(config), factory, gate.layout_changed)
         self.pools = PoolAllocator(config, worker_id, path, self.lanes)
         self.runner = JobRunner(worker_id, self.lanes, self.regions, self.pools, gate, node_key)
+        self.region_socket = RegionSocket(config.region_socket(worker_id), self.regions, lambda: self.runner.closing)
         self._closed = False
 
     # ------------------------------------------------------------------ leader link peer
@@ -69,11 +74,15 @@ class WorkerService(rpc.WorkerServicer):  # type: ignore[misc]  # generated base
         return await self.pools.apply(plan, layout)
 
     # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        await self.region_socket.start()
+
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         self.runner.closing = True
+        await self.region_socket.close()
         await self.lanes.drain()
         self.lanes.close()
         self.pools.close()
@@ -85,13 +94,10 @@ class WorkerService(rpc.WorkerServicer):  # type: ignore[misc]  # generated base
         await context.abort(exc.code, exc.message)
 
     async def RegisterRegion(self, request: "pb.RegisterRegionRequest", context: Any) -> "pb.RegisterRegionResponse":
-        if self.runner.closing:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is shutting down")
-        try:
-            region = await self.regions.register(request)
-        except Refusal as exc:
-            await self._refuse(context, exc)
-        return pb.RegisterRegionResponse(region_id=region.region_id)
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                            f"register over the region socket {self.region_socket.path} (the KV memory is handed "
+                            "over as sealed memfds or CUDA IPC handles there; never over gRPC)")
+        raise AssertionError("not reached: abort raises")
 
     async def UnregisterRegion(self, request: "pb.UnregisterRegionRequest", context: Any
                                ) -> "pb.UnregisterRegionResponse":
@@ -126,11 +132,11 @@ class WorkerService(rpc.WorkerServicer):  # type: ignore[misc]  # generated base
         if pools is not None:
             info.host_bytes = pools.host.geometry.total_bytes if pools.host else 0
             info.disk_bytes = pools.disk.geometry.total_bytes if pools.disk else 0
-        region = self.regions.region
-        # NOTE: region_id stays filled until regions move to the region socket (the vLLM
-        # connector's early loads still read it); region_digest is what replaces it.
-        return pb.WorkerStatusResponse(info=info, region_id=region.region_id if region else "",
-                                       region_digest=self.regions.digest,
+        regions = self.regions.summaries()  # NOTE: never a region id (a capability): digests
+        return pb.WorkerStatusResponse(info=info, regions=regions,
+                                       region_digest=regions[0].digest if regions else "",
+                                       region_pid=regions[0].pid if regions else 0,
+                                       region_socket=self.region_socket.path,
                                        disk_path=pools.disk.path if pools and pools.disk else "",
                                        disk_backend=pools.disk_backend if pools else "",
                                        counters=self.runner.counters.values)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -26,7 +26,7 @@ from ..id_arrays import EngineBlocks
 from ..lanes import Lane
 from ..mover import BlockMover, Pending
 from ..pools import DiskPool, HostPool
-from ..regions import EngineRegion, RegionError
+from ..regions import EngineRegion, Peer, RegionError
 from .cuda_copier import MECHANISMS as MECHANISMS
 from .cuda_copier import CopyMechanism, CudaCopier as CudaCopier, Direction
 from .pinned import PIN_CHUNK, PinnedHost
@@ -48,14 +48,16 @@ def init_device(device: int) -> str:
     return str(torch.cuda.get_device_name(device))
 
 
-def open_region(request: "pb.RegisterRegionRequest", device: int) -> EngineRegion:
-    """Region factory of a GPU worker: CUDA IPC buffers open on ``device``; shm buffers stay on the CPU path."""
+def open_region(request: "pb.RegisterRegionRequest", fds: Sequence[int], owner: Peer, device: int) -> EngineRegion:
+    """Region factory of a GPU worker: CUDA IPC buffers open on ``device``; memfd buffers stay on the CPU path."""
     if any(b.WhichOneof("handle") == "cuda_ipc_handle" for b in request.buffers):
+        if fds:
+            raise RegionError(f"a CUDA region carries no fds; {len(fds)} came with the request")
         try:
-            return CudaEngineRegion(request, device)
+            return CudaEngineRegion(request, owner, device)
         except CudaError as exc:
             raise RegionError(str(exc)) from None
-    return EngineRegion(request)
+    return EngineRegion(request, fds, owner)
 
 
 class _Event:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import re
 import threading
 import time
 
@@ -18,6 +19,7 @@ import pytest
 from kvbm_client import KvbmConfig, sequence_hashes
 from kvbm_client.channels import open_channel
 from kvbm_client.contract import pb, rpc, sign_plan
+from kvbm_client.region_wire import RegionRefused, register
 from kvbm_client.security import load_node_key
 
 CODE = grpc.StatusCode
@@ -133,31 +135,45 @@ def test_worker_rejects_bad_transfers_and_moves_nothing(rig):
     assert np.array_equal(engine.array[20], snapshot[0])
 
 
+def _refused(path: str, request: "pb.RegisterRegionRequest", fds=()) -> grpc.StatusCode:
+    with pytest.raises(RegionRefused) as info:
+        register(path, request, list(fds), 10).close()
+    return info.value.code
+
+
 def test_worker_rejects_bad_regions(rig, tmp_path):
     node, fake, client, engine, worker, epoch = rig
-    spec = engine.spec().to_request()
-    assert _code(lambda: worker.RegisterRegion(spec)) == CODE.ALREADY_EXISTS  # duplicate
-    bad = pb.RegisterRegionRequest()
-    bad.CopyFrom(spec)
-    bad.buffers[0].size_bytes = spec.buffers[0].size_bytes * 2  # claims more than the file has
-    assert _code(lambda: worker.RegisterRegion(bad)) == CODE.ALREADY_EXISTS  # still owned by us
-    client.unregister_region("0")
-    assert _code(lambda: worker.RegisterRegion(bad)) == CODE.INVALID_ARGUMENT
-    bad.CopyFrom(spec)
-    bad.num_blocks = 33  # last page beyond the buffer
-    assert _code(lambda: worker.RegisterRegion(bad)) == CODE.INVALID_ARGUMENT
-    bad.CopyFrom(spec)
-    bad.buffers[0].shm_path = str(tmp_path / "missing")
-    assert _code(lambda: worker.RegisterRegion(bad)) == CODE.INVALID_ARGUMENT
-    bad.CopyFrom(spec)
-    bad.buffers[0].cuda_ipc_handle = b"\0" * 64
-    assert _code(lambda: worker.RegisterRegion(bad)) == CODE.INVALID_ARGUMENT
-    bad.CopyFrom(spec)
-    bad.layers[1].block_stride_bytes = 100  # pages would overlap
-    assert _code(lambda: worker.RegisterRegion(bad)) == CODE.INVALID_ARGUMENT
+    spec = engine.spec()
+    good, fds = spec.to_request(), spec.fds
+    path = node.config().region_socket("0")
+    with pytest.raises(grpc.RpcError) as info:  # never over gRPC
+        worker.RegisterRegion(good)
+    assert info.value.code() == CODE.FAILED_PRECONDITION and path in info.value.details()
+
+    def bad(edit) -> "pb.RegisterRegionRequest":
+        request = pb.RegisterRegionRequest()
+        request.CopyFrom(good)
+        edit(request)
+        return request
+
+    def claim_more(r):
+        r.buffers[0].size_bytes *= 2  # claims more than the memfd has
+    assert _refused(path, bad(claim_more), fds) == CODE.INVALID_ARGUMENT
+    assert _refused(path, bad(lambda r: setattr(r, "num_blocks", 33)), fds) == CODE.INVALID_ARGUMENT  # past the end
+    assert _refused(path, bad(lambda r: setattr(r.buffers[0], "shm_path", str(tmp_path / "kv"))), fds) \
+        == CODE.INVALID_ARGUMENT  # a path is never opened
+    assert _refused(path, bad(lambda r: setattr(r.buffers[0], "cuda_ipc_handle", b"\0" * 64))) \
+        == CODE.INVALID_ARGUMENT  # a CPU worker opens no CUDA handle
+    assert _refused(path, bad(lambda r: setattr(r.layers[1], "block_stride_bytes", 100)), fds) \
+        == CODE.INVALID_ARGUMENT  # pages would overlap
+    assert _refused(path, bad(lambda r: setattr(r.buffers[0], "fd_index", 1)), fds) == CODE.INVALID_ARGUMENT
+    assert _refused(path, good) == CODE.INVALID_ARGUMENT  # the memfd did not come with it
+    assert _refused(path, good, [fds[0], fds[0]]) == CODE.INVALID_ARGUMENT  # an fd no buffer names
     assert _code(lambda: worker.UnregisterRegion(pb.UnregisterRegionRequest(region_id="nope"))) == CODE.NOT_FOUND
-    # After all that, a valid registration still works.
-    assert worker.RegisterRegion(spec).region_id.startswith("region-")
+    # After all that, a valid registration still works (a second region of one layout: served).
+    lease = register(path, good, fds, 10)
+    assert re.fullmatch(r"region-[0-9a-f]{32}", lease.region_id)
+    lease.close()
 
 
 def test_leader_rejects_bad_requests(rig):

@@ -11,6 +11,7 @@ import pytest
 from kvbm_client import sequence_hashes
 from kvbm_client.channels import open_channel
 from kvbm_client.connectors.core import ConnectorSettings, EarlyLoads, LoadSpec
+from kvbm_client.connectors.core.region_ids import EngineRegionIds
 from kvbm_client.contract import pb, rpc
 from kvbm_client.leader_session import LeaderSession
 
@@ -19,14 +20,18 @@ def hashes(n: int, seed: int = 0):
     return sequence_hashes([seed * 7919 + i for i in range(n * 16)], 16)
 
 
+ENGINE = "engine-under-test"
+
+
 def settings(node) -> ConnectorSettings:
     return ConnectorSettings(leader_address=node.leader_address,
                              worker_address_template=node.config().worker_address("{id}"),
-                             namespace="test", timeout_s=5.0, retry_s=0.2)
+                             namespace="test", timeout_s=5.0, retry_s=0.2, config=node.config(), engine_id=ENGINE)
 
 
 class Setup:
-    """Six blocks offloaded from engine blocks 0..5, a signed plan to load them back."""
+    """Six blocks offloaded from engine blocks 0..5, a signed plan to load them back; the
+    region's id published for the scheduler side, as the connector's worker side does."""
 
     def __init__(self, node) -> None:
         self.node = node
@@ -39,8 +44,9 @@ class Setup:
         assert self.load.num_blocks == 6
         channel = open_channel(node.config().worker_address("0"), node.config())
         self.stub = rpc.WorkerStub(channel)
-        self.region_id = self.stub.Status(pb.WorkerStatusRequest(), timeout=5).region_id
-        assert self.region_id
+        self.region_id = self.client.region_id("0")
+        assert self.region_id and not self.stub.Status(pb.WorkerStatusRequest(), timeout=5).region_id
+        EngineRegionIds(node.config().resolved_socket_dir, ENGINE).publish("0", self.region_id)
 
     def spec(self, blocks: list[int]) -> LoadSpec:
         return LoadSpec("req-1", self.load.signed.plan, self.load.signed.signature, blocks, sync=True)

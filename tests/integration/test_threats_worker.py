@@ -20,28 +20,18 @@ import pytest
 from kvbm_client import AsyncKvbmClient, KvbmError, KvbmTimeoutError, Tier, sequence_hashes
 from kvbm_client.bus import commands_subject
 from kvbm_client.config import OPTIONS
-from kvbm_client.contract import pb, rpc, sign_plan
+from kvbm_client.contract import pb, sign_plan
+from kvbm_client.region_wire import RegionRefused, register
 from kvbm_client.security import ack_is_authentic, load_node_key
 from kvbm_client.sizing import slot_bytes
 from support.fault_env import fault_env
+from support.probes import code_of, worker_stub
 
 CODE = grpc.StatusCode
 
 
 def hashes(n: int, seed: int = 0):
     return sequence_hashes([seed * 7_777 + i for i in range(n * 16)], 16)
-
-
-def worker_stub(node, worker_id: str = "0") -> rpc.WorkerStub:
-    channel = grpc.insecure_channel(node.config().worker_address(worker_id))
-    node.clients.append(channel)  # closed with the node
-    return rpc.WorkerStub(channel)
-
-
-def code_of(call) -> grpc.StatusCode:
-    with pytest.raises(grpc.RpcError) as info:
-        call()
-    return info.value.code()
 
 
 def worker_counters(node) -> dict[str, float]:
@@ -268,25 +258,28 @@ def test_row10_disk_errors_fail_stores_cleanly(make_node):
 
 
 # ---------------------------------------------------------------------------- row 11
-def test_row11_region_limits_are_checked_before_anything_is_mapped(make_node, tmp_path):
+def test_row11_region_limits_are_checked_before_anything_is_mapped(make_node):
     node = make_node(DYN_KVBM_MAX_REGION_PAGES="8192")
-    worker = worker_stub(node)
-    shm = tmp_path / "kv"
-    shm.write_bytes(b"\0" * 4096)
+    path = node.config().region_socket("0")
+    engine = node.engine(num_blocks=1, num_layers=1, page_bytes=4096)
 
-    def region(layers: int = 1, buffers: int = 1, engine_id: str = "e", path: str = str(shm)):
+    def region(layers: int = 1, buffers: int = 1, engine_id: str = "e"):
         return pb.RegisterRegionRequest(
-            engine_id=engine_id, pid=os.getpid(), page_bytes=64, num_blocks=1, dtype="uint8",
-            buffers=[pb.RegionBuffer(shm_path=path, size_bytes=4096, device=-1) for _ in range(buffers)],
+            engine_id=engine_id, page_bytes=64, num_blocks=1, dtype="uint8",
+            buffers=[pb.RegionBuffer(fd_index=0, size_bytes=4096, device=-1) for _ in range(buffers)],
             layers=[pb.LayerPlacement(buffer_index=0, offset_bytes=0, block_stride_bytes=64)] * layers)
 
     for req, setting in ((region(layers=50_002), "DYN_KVBM_MAX_REGION_PAGES"),
-                         (region(buffers=65, path=str(tmp_path / "absent")), "DYN_KVBM_MAX_REGION_BUFFERS"),
+                         (region(buffers=65), "DYN_KVBM_MAX_REGION_BUFFERS"),
                          (region(engine_id="x" * 257), "DYN_KVBM_MAX_NAME_BYTES")):
-        with pytest.raises(grpc.RpcError) as info:
-            worker.RegisterRegion(req, timeout=10)
-        assert info.value.code() == CODE.INVALID_ARGUMENT and setting in info.value.details()
-    assert worker.RegisterRegion(region(layers=4), timeout=10).region_id  # within the limits: served
+        with pytest.raises(RegionRefused) as info:
+            register(path, req, [engine.fd], 10)
+        assert info.value.code == CODE.INVALID_ARGUMENT and setting in str(info.value)
+    with pytest.raises(RegionRefused, match="DYN_KVBM_MAX_REGION_BUFFERS"):  # more fds than buffers allowed
+        register(path, region(), [engine.fd] * 65, 10)
+    lease = register(path, region(layers=4), [engine.fd], 10)  # within the limits: served
+    assert lease.region_id
+    lease.close()
 
 
 # ---------------------------------------------------------------------------- row 12

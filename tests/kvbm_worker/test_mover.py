@@ -18,7 +18,7 @@ from kvbm_worker.jobs import JobKey
 from kvbm_worker.mover import BlockMover
 from kvbm_worker.plan_check import Batch
 from kvbm_worker.pools import DiskPool, HostPool, SlotGeometry
-from kvbm_worker.regions import EngineRegion
+from kvbm_worker.regions import EngineRegion, Peer
 
 LAYERS, PAGE, BLOCKS = 3, 1000, 32  # 3000-byte blocks in 4096-byte slots
 FAR = 1e18  # a time limit that never passes
@@ -30,7 +30,8 @@ class Rig:
     def __init__(self, root: Path, host_checksums: bool = False, clock=None) -> None:
         self.engine = ShmKvBuffer(BLOCKS, LAYERS, PAGE, directory=str(root))
         self.engine.array[:] = np.random.default_rng(0).integers(0, 256, self.engine.array.shape, dtype=np.uint8)
-        self.region = EngineRegion(self.engine.spec().to_request())
+        spec = self.engine.spec()
+        self.region = EngineRegion(spec.to_request(), spec.fds, Peer(os.getpid(), os.getuid(), os.getgid()))
         geo = lambda n: SlotGeometry.of(LAYERS * PAGE, n)  # noqa: E731
         self.host = HostPool(geo(8))
         self.disk = DiskPool(geo(16), str(root / "disk"), o_direct=True, zerofill_fallback=False)

@@ -38,7 +38,7 @@ async def _nothing() -> None:
 def runner() -> JobRunner:
     config = KvbmConfig.from_env({})
     lanes = Lanes(4)
-    regions = RegionRegistry("0", RegionLimits(), EngineRegion, lanes.drain, _nothing)
+    regions = RegionRegistry("0", RegionLimits(), EngineRegion, _nothing)
     return JobRunner(WorkerId("0"), lanes, regions, PoolAllocator(config, "0", DataPath(), lanes), Attached(),
                      NODE_KEY)
 

@@ -82,7 +82,7 @@ class Driver:
         g = config.geometry
         self.model = KvModel(g, config.vocab_size, config.tenant_sensitive_kv)
         self.pool = DeviceBlockPool(config.num_blocks, g.tokens_per_block, config.enable_block_reuse)
-        self.caches = [PagedKvCache(g, config.num_blocks, r, config.device, config.shm_dir) for r in range(g.tp_size)]
+        self.caches = [PagedKvCache(g, config.num_blocks, r, config.device) for r in range(g.tp_size)]
         device = torch.device(config.device)
         self.stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         self.llm_args = config.llm_args(connectors.config if connectors else None)

@@ -40,7 +40,6 @@ class DriverConfig:
     max_retries: int = 0
     stall_timeout_s: float = 60.0
     idle_sleep_s: float = 0.001
-    shm_dir: str = "/dev/shm"
 
     def llm_args(self, connector_config: Optional[KvCacheConnectorConfig] = None) -> TorchLlmArgs:
         """The LLM API arguments of the guide's YAML (partial reuse off, no CUDA graphs)."""

@@ -6,45 +6,40 @@ exactly that tensor (``get_unique_primary_pool()``) to ``KvCacheConnectorWorker.
 Inside a (block, layer, K|V) page the attention kernels use ``[heads, tokens, head_dim]``; the
 model here writes that order too, though to a connector a page is opaque bytes.
 
-On the CPU the pool lives in a ``/dev/shm`` file mapped shared (``torch.from_file``), so a kvbm
-worker daemon can map the same pages; with ``device="cuda:N"`` it is an ordinary CUDA tensor.
+On the CPU the pool lives in a sealed memfd mapped shared (``torch.from_file`` of
+``/proc/self/fd/N``), which the connector hands to a kvbm worker daemon over its region socket; with ``device="cuda:N"`` it is an ordinary CUDA tensor.
 """
 from __future__ import annotations
 
 import os
-import uuid
 from typing import Optional, Sequence
 
 import torch
 
+from kvbm_client.regions import sealed_memfd
+
 from .kv_model import POISON, KvGeometry
 
-#: Name prefix of the pool files in /dev/shm (``<prefix><pid>-r<rank>-<hex>``).
-SHM_PREFIX = "kvbm-trtllm-kv-"
+#: Name of the pool memfds (``<prefix>r<rank>``, shown as ``/memfd:<name>`` in /proc/PID/maps).
+MEMFD_PREFIX = "kvbm-trtllm-kv-"
 
 
 class PagedKvCache:
-    """The KV pool of one rank. Owns the tensor (and on the CPU its shm file).
+    """The KV pool of one rank. Owns the tensor (and on the CPU its memfd).
 
     Invariant: ``tensor`` keeps its storage for the cache's whole life, so a worker that mapped
     it (or exported it through CUDA IPC) addresses the same pages until :meth:`close`.
     """
 
-    def __init__(self, geometry: KvGeometry, num_blocks: int, rank: int, device: str = "cpu",
-                 shm_dir: str = "/dev/shm") -> None:
+    def __init__(self, geometry: KvGeometry, num_blocks: int, rank: int, device: str = "cpu") -> None:
         self.geometry, self.num_blocks, self.rank = geometry, num_blocks, rank
         self.device = torch.device(device)
         shape = geometry.pool_shape(num_blocks)
         numel = num_blocks * geometry.num_layers * 2 * geometry.block_elems
-        self.shm_path: Optional[str] = None
+        self.memfd: Optional[int] = None
         if self.device.type == "cpu":
-            self.shm_path = os.path.join(shm_dir, f"{SHM_PREFIX}{os.getpid()}-r{rank}-{uuid.uuid4().hex[:8]}")
-            fd = os.open(self.shm_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.ftruncate(fd, numel * 2)
-            finally:
-                os.close(fd)
-            flat = torch.from_file(self.shm_path, shared=True, size=numel, dtype=geometry.dtype)
+            self.memfd = sealed_memfd(f"{MEMFD_PREFIX}r{rank}", numel * geometry.dtype.itemsize)
+            flat = torch.from_file(f"/proc/self/fd/{self.memfd}", shared=True, size=numel, dtype=geometry.dtype)
             self.tensor = flat.view(shape)
         else:
             self.tensor = torch.empty(shape, dtype=geometry.dtype, device=self.device)
@@ -87,12 +82,9 @@ class PagedKvCache:
         return int((data * weights).sum().item())
 
     def close(self) -> None:
-        """Drop the tensor and remove the shm file. Idempotent."""
+        """Drop the tensor and close the memfd (a daemon's mapping keeps its pages). Idempotent."""
         self._pages = None  # type: ignore[assignment]
         self.tensor = None  # type: ignore[assignment]
-        if self.shm_path is not None:
-            try:
-                os.unlink(self.shm_path)
-            except FileNotFoundError:
-                pass
-            self.shm_path = None
+        if self.memfd is not None:
+            os.close(self.memfd)
+            self.memfd = None

@@ -1,6 +1,7 @@
 """The driver's deterministic model and its paged KV pool (TensorRT-LLM's layout)."""
 from __future__ import annotations
 
+import fcntl
 import os
 
 import numpy as np
@@ -67,7 +68,7 @@ def test_next_token_reads_every_rank():
 
 
 def test_pool_has_trtllm_layout_and_pages_are_heads_tokens_dim(tmp_path):
-    cache = PagedKvCache(G, num_blocks=6, rank=1, shm_dir=str(tmp_path))
+    cache = PagedKvCache(G, num_blocks=6, rank=1)
     try:
         assert tuple(cache.tensor.shape) == (6, 3, 2, 2 * 4 * 8)  # [blocks, layers, K|V, heads*tokens*dim]
         m = KvModel(G)
@@ -83,7 +84,7 @@ def test_pool_has_trtllm_layout_and_pages_are_heads_tokens_dim(tmp_path):
 
 
 def test_checksum_sees_every_element_and_poison_fills_whole_blocks(tmp_path):
-    cache = PagedKvCache(G, num_blocks=3, rank=0, shm_dir=str(tmp_path))
+    cache = PagedKvCache(G, num_blocks=3, rank=0)
     try:
         m = KvModel(G)
         for layer in range(3):
@@ -98,22 +99,19 @@ def test_checksum_sees_every_element_and_poison_fills_whole_blocks(tmp_path):
         cache.close()
 
 
-def test_cpu_pool_is_a_shared_memory_file_another_mapping_sees():
-    """Phase 2 exports this tensor to a kvbm worker daemon by its backing file."""
+def test_cpu_pool_is_a_sealed_memfd_another_mapping_sees():
+    """The connector hands this memfd to a kvbm worker daemon, which maps the same pages."""
     cache = PagedKvCache(G, num_blocks=4, rank=0)
-    path = cache.shm_path
+    fd = cache.memfd
     try:
-        assert path is not None and path.startswith("/dev/shm/kvbm-trtllm-kv-")
-        ptr = cache.tensor.data_ptr()
-        with open("/proc/self/maps") as maps:
-            owners = [line.split()[-1] for line in maps
-                      if int(line.split()[0].split("-")[0], 16) <= ptr < int(line.split()[0].split("-")[1], 16)]
-        assert owners == [path]
-        other = np.memmap(path, dtype=np.int16, mode="r+")
+        assert fd is not None and fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK
+        other = np.memmap(f"/proc/self/fd/{fd}", dtype=np.int16, mode="r+")
         other[7] = 1234
         assert int(cache.tensor.view(torch.int16).reshape(-1)[7]) == 1234
         del other
     finally:
         cache.close()
-    assert not os.path.exists(path)
+    assert cache.memfd is None
+    with pytest.raises(OSError):
+        os.fstat(fd)
     cache.close()  # idempotent

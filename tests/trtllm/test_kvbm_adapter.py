@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import time
 import pickle
 from pathlib import Path
 from types import SimpleNamespace
@@ -98,38 +99,47 @@ MAPS = """7f00-7f10 rw-s 00001000 00:1a 42 /dev/shm/pool
 
 
 @pytest.mark.parametrize("address, length, found", [
-    (0x7f04, 8, ("/dev/shm/pool", 0x1004)),  # inside a shared file mapping
+    (0x7f04, 8, (42, 0x1004)),  # inside a shared file mapping
     (0x7f0c, 8, None),  # runs past its end
     (0x7f14, 4, None),  # anonymous memory
     (0x7f24, 4, None),  # a private mapping
-    (0x7f34, 4, None),  # no path to open
+    (0x7f34, 4, (44, 4)),  # a memfd (its fd is looked up by inode)
     (0x8000, 4, None)])  # not mapped
 def test_a_shared_file_mapping_is_found_in_proc_maps(address, length, found):
     assert find_mapping(MAPS, address, length) == found
 
 
-def test_a_cpu_pool_in_shared_memory_is_described_as_one_page_per_block(tmp_path):
-    cache = PagedKvCache(GEOMETRY, 16, rank=0, shm_dir=str(tmp_path))
+def test_a_cpu_pool_in_a_sealed_memfd_is_described_as_one_page_per_block():
+    cache = PagedKvCache(GEOMETRY, 16, rank=0)
     try:
         cache.tensor[3].view(torch.int16).copy_(torch.arange(cache.tensor[3].numel(), dtype=torch.int16).view(
             cache.tensor[3].shape))
         whole = describe_kv_cache(cache.tensor, "e")
         tail = describe_kv_cache(cache.tensor[2:], "e")
-        size = os.path.getsize(cache.shm_path)
-        assert (whole.shm_paths, whole.buffer_sizes, whole.page_bytes, whole.num_blocks, whole.dtype) == \
-            ((cache.shm_path,), (size,), GEOMETRY.bytes_per_block, 16, "float16")
+        size = os.fstat(cache.memfd).st_size
+        assert (whole.memfds, whole.buffer_sizes, whole.page_bytes, whole.num_blocks, whole.dtype) == \
+            ((cache.memfd,), (size,), GEOMETRY.bytes_per_block, 16, "float16")
         assert whole.layers == (LayerSpec(0, 0, GEOMETRY.bytes_per_block),)
         assert tail.num_blocks == 14 and tail.layers == (LayerSpec(0, 2 * GEOMETRY.bytes_per_block,
                                                                    GEOMETRY.bytes_per_block),)
-        with open(cache.shm_path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as m:
+        with mmap.mmap(cache.memfd, size, access=mmap.ACCESS_READ) as m:
             start = tail.layers[0].offset_bytes + 1 * tail.layers[0].block_stride_bytes  # tail block 1 = block 3
             assert m[start:start + tail.page_bytes] == cache.tensor[3].numpy().tobytes()
     finally:
         cache.close()
 
 
+def test_a_pool_in_an_unsealed_shared_file_is_refused(tmp_path):
+    """A /dev/shm-style file could be truncated under the daemon's mapping: not described."""
+    path = tmp_path / "pool"
+    path.write_bytes(b"\0" * (4 * 2 * 2 * 16 * 2))
+    pool = torch.from_file(str(path), shared=True, size=4 * 2 * 2 * 16, dtype=torch.float16).view(4, 2, 2, 16)
+    with pytest.raises(ValueError, match="sealed memfd"):
+        describe_kv_cache(pool, "e")
+
+
 def test_memory_a_worker_daemon_cannot_map_is_refused():
-    with pytest.raises(ValueError, match="shared file"):
+    with pytest.raises(ValueError, match="sealed memfd"):
         describe_kv_cache(torch.zeros(4, 2, 2, 16, dtype=torch.float16), "e")
     with pytest.raises(ValueError, match="pool"):
         describe_kv_cache(torch.zeros(4, 2, 16), "e")
@@ -166,11 +176,12 @@ class FakeLeader:
     def prepare_load(self, hashes, count_hit=False, tokens_per_block=0):
         self.loads.append(len(hashes))
         n = min(self.stored, len(hashes))
-        return SimpleNamespace(num_blocks=n, is_empty=n == 0, signed=SimpleNamespace(plan=b"p", signature=b"s"))
+        return SimpleNamespace(num_blocks=n, is_empty=n == 0, deadline=time.monotonic() + 30,
+                               signed=SimpleNamespace(plan=b"p", signature=b"s"))
 
     def prepare_store(self, hashes):
         self.stores.append(len(hashes))
-        return SimpleNamespace(is_empty=False, indices=list(range(len(hashes))),
+        return SimpleNamespace(is_empty=False, indices=list(range(len(hashes))), deadline=time.monotonic() + 30,
                                signed=SimpleNamespace(plan=b"p", signature=b"s"))
 
     def release(self, handle):

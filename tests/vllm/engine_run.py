@@ -46,6 +46,8 @@ def main() -> None:
     p.add_argument("--same-first-turn", action="store_true", help="every user starts with the same turn")
     p.add_argument("--pause-after-rounds", default="", help="comma-separated rounds to pause after")
     p.add_argument("--pause-dir", default="")
+    p.add_argument("--start-after", default="", help="wait for this file to exist before the first round "
+                   "(the engine is up and its KV cache registered by then)")
     args = p.parse_args()
 
     # NOTE: vLLM reserves a CPU for the connector when one is configured, which changes the OMP
@@ -73,6 +75,8 @@ def main() -> None:
         first_turns = [first_turns[0]] * args.users
     hist = {u: system + first_turns[u] for u in range(args.users)}
     pauses = {int(x) for x in args.pause_after_rounds.split(",") if x}
+    while args.start_after and not os.path.exists(args.start_after):
+        time.sleep(0.1)
     records = []
     for r in range(args.rounds):
         for u in range(args.users):

@@ -18,12 +18,16 @@ Scheduler side (one per engine, on its scheduler thread)::
 Worker side (one per GPU / rank)::
 
     core = WorkerCore(worker_id, settings)
-    core.set_region(spec)                         # RegionSpec (shm) or CudaRegionSpec
+    core.set_region(spec)                         # RegionSpec (sealed memfds) or CudaRegionSpec
     if plan.fence: core.fence()
     core.start_loads(plan.loads)                  # waits for the synchronous ones
     core.start_stores(plan.stores, ready=event.synchronize)
     sent, loaded = core.finished(plan.delayed_frees)
     failed_blocks = core.take_load_errors()       # the engine recomputes them
+
+Both sides of one engine share ``settings.engine_id``: the worker side publishes the id of
+each region it registers there (a 0600 file, :mod:`.region_ids`) and the scheduler side's
+early loads read it; no daemon ever shows a region id.
 
 Blocks are keyed by kvbm's own identity (:class:`~kvbm_client.hashing.BlockIdentity`), the
 same in every process, so restarted and sibling engines hit each other's blocks.

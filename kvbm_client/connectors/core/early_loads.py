@@ -10,8 +10,9 @@ counts: an early call that fails only costs the head start (it is logged at debu
 never waited for).
 
 Runs on the engine's scheduler thread: one non-blocking gRPC call per worker per load, plus
-one short blocking ``Status`` call to learn a worker's region when it is not known yet (at
-most once per ``retry_s`` while the daemon is away).
+one small file read to learn the engine's region on a worker when it is not known yet (at
+most once per ``retry_s`` until the worker side registered it). A region id is a capability
+no daemon shows; the worker side publishes its own for this side (:mod:`.region_ids`).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import grpc
 
 from ...channels import open_channel
 from ...contract import pb, rpc
+from .region_ids import EngineRegionIds
 from .specs import LoadSpec
 from .settings import Backoff, ConnectorSettings
 
@@ -35,8 +37,10 @@ class _WorkerLink:
     """One worker daemon, as the scheduler side sees it: its engine region id and the early
     calls not yet finished."""
 
-    def __init__(self, address: str, settings: ConnectorSettings) -> None:
-        self.address = address
+    def __init__(self, worker_id: str, settings: ConnectorSettings, ids: EngineRegionIds) -> None:
+        self.worker_id = worker_id
+        self.address = address = settings.worker_address(worker_id)
+        self.ids = ids
         self.timeout_s = settings.timeout_s
         self.channel = open_channel(address, settings.config)
         self.stub: Any = rpc.WorkerStub(self.channel)  # the generated stubs are untyped
@@ -57,16 +61,10 @@ class _WorkerLink:
     def _region(self) -> str | None:
         if self.region_id is not None or not self.backoff.ready():
             return self.region_id
-        try:
-            status = self.stub.Status(pb.WorkerStatusRequest(), timeout=self.timeout_s)
-        except grpc.RpcError as exc:
-            log.debug("kvbm early loads: worker %s: %s", self.address, exc.code().name)
+        self.region_id = self.ids.lookup(self.worker_id)
+        if self.region_id is None:  # the worker side has not registered the engine's memory yet
+            log.debug("kvbm early loads: no region of this engine on worker %s yet", self.worker_id)
             self.backoff.failed()
-            return None
-        if not status.region_id:  # the worker role has not registered the engine's memory yet
-            self.backoff.failed()
-            return None
-        self.region_id = status.region_id
         return self.region_id
 
     def _reap(self) -> None:
@@ -94,7 +92,8 @@ class EarlyLoads:
     """Starts loads on every worker daemon of the engine (one per tensor-parallel rank)."""
 
     def __init__(self, settings: ConnectorSettings, worker_ids: Sequence[str]) -> None:
-        self._links = [_WorkerLink(settings.worker_address(w), settings) for w in worker_ids]
+        ids = EngineRegionIds(settings.config.resolved_socket_dir, settings.engine_id)
+        self._links = [_WorkerLink(w, settings, ids) for w in worker_ids]
 
     def submit(self, spec: LoadSpec) -> int:
         """Send ``spec`` to each worker; returns how many calls went out."""

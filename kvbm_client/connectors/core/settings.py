@@ -40,17 +40,24 @@ class ConnectorSettings:
     early_loads: bool = True
     #: the node's settings as this engine sees them (channels: TLS, tokens, message sizes)
     config: KvbmConfig = field(default_factory=KvbmConfig)
+    #: where worker "{id}" takes engine regions (a unix socket path; default: in the socket dir)
+    region_socket_template: str = ""
+    #: what both sides of one engine share (vLLM: ``kv_transfer_config.engine_id``): the
+    #: scheduler side finds the region ids of its worker side under it (:mod:`.region_ids`)
+    engine_id: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "load_mode", _load_mode(self.load_mode))
 
     @classmethod
-    def from_extra(cls, extra: Mapping[str, Any], default_namespace: str) -> "ConnectorSettings":
+    def from_extra(cls, extra: Mapping[str, Any], default_namespace: str, engine_id: str = "") -> "ConnectorSettings":
         """Settings from an engine's connector config dict (``extra``)."""
         overrides = {k: extra[k] for k in ("socket_dir", "leader_address") if extra.get(k)}
         cfg = KvbmConfig.from_env(**overrides)
         template = extra.get("worker_address") or cfg.worker_address("{id}")
         return cls(config=cfg, leader_address=cfg.resolved_leader_address, worker_address_template=template,
+                   region_socket_template=str(extra.get("region_socket") or cfg.region_socket("{id}")),
+                   engine_id=engine_id,
                    namespace=str(extra.get("namespace") or default_namespace),
                    timeout_s=float(extra.get("timeout_s", 2.0)), retry_s=float(extra.get("retry_s", 2.0)),
                    ready_timeout_s=float(extra.get("ready_timeout_s", 120.0)),
@@ -63,6 +70,9 @@ class ConnectorSettings:
 
     def worker_address(self, worker_id: str) -> str:
         return self.worker_address_template.replace("{id}", worker_id)
+
+    def region_socket(self, worker_id: str) -> str:
+        return (self.region_socket_template or self.config.region_socket("{id}")).replace("{id}", worker_id)
 
 
 def _load_mode(value: Any) -> LoadMode:

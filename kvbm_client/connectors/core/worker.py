@@ -35,8 +35,9 @@ import grpc
 
 from ...contract import pb
 from ...ids import EngineBlockId, WorkerId
+from ...regions import RegionSpecLike
 from .daemon_process import DaemonProcess
-from .region_link import RegionLink, RegionSpecLike
+from .region_link import RegionLink
 from .settings import ConnectorSettings
 from .specs import LoadSpec, RequestId, StoreSpec
 from .tracing import trace, tracing

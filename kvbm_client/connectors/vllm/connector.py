@@ -46,7 +46,10 @@ class KvbmConnector(KVConnectorBase_V1, SupportsHMA):
         compat.check_version()
         ktc = vllm_config.kv_transfer_config
         extra = dict(getattr(ktc, "kv_connector_extra_config", None) or {})
-        self._settings = ConnectorSettings.from_extra(extra, compat.namespace(vllm_config))
+        # NOTE: engine_id is the same in the scheduler and worker processes of one engine (vLLM
+        # pickles the config to its workers); the scheduler finds its worker's region ids by it.
+        self._settings = ConnectorSettings.from_extra(extra, compat.namespace(vllm_config),
+                                                      engine_id=str(ktc.engine_id or ""))
         groups = compat.kv_cache_groups(kv_cache_config)
         #: False for an engine kvbm cannot serve (several KV cache groups): every hook is neutral
         self._enabled = groups <= 1
@@ -90,7 +93,7 @@ class KvbmConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ==== Worker-side methods ====
     def get_mem_pool_context(self):
-        """vLLM >= 0.32: allocate the (CPU) KV cache in shared memory the daemon can map."""
+        """vLLM >= 0.32: allocate the (CPU) KV cache in a sealed memfd the daemon can be handed."""
         if compat.is_cuda(self._vllm_config):
             return None
         from .shm_kv import ShmKvAllocation
@@ -104,7 +107,7 @@ class KvbmConnector(KVConnectorBase_V1, SupportsHMA):
             self._register_gpu(list(kv_caches.values()))
             return
         shm = self._shm
-        spec = region_from_kv_caches(kv_caches, shm.path if shm and shm.tensor is not None else None,
+        spec = region_from_kv_caches(kv_caches, shm.fd if shm and shm.tensor is not None else None,
                                      shm.tensor if shm else None)
         self._worker_role.set_region(spec)
 
@@ -194,4 +197,4 @@ class KvbmConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None:
             self._worker.shutdown()
         if self._shm is not None:
-            self._shm.unlink()
+            self._shm.close()

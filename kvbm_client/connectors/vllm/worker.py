@@ -21,8 +21,7 @@ import os
 from typing import Any, Callable
 
 from ...ids import EngineBlockId, WorkerId
-from ...regions import LayerSpec, RegionSpec
-from ..core.region_link import RegionSpecLike
+from ...regions import LayerSpec, RegionSpec, RegionSpecLike
 from ..core.settings import ConnectorSettings
 from ..core.worker import WorkerCore
 from .metadata import KvbmConnectorMetadata
@@ -30,10 +29,10 @@ from .metadata import KvbmConnectorMetadata
 log = logging.getLogger("kvbm.connector")
 
 
-def region_from_kv_caches(kv_caches: dict[str, Any], shm_path: str | None, base_tensor: Any) -> RegionSpec | None:
-    """Describe vLLM's per-layer KV views as a region over one shared buffer, or None when the
-    buffer is not in shared memory (then the daemon cannot map it)."""
-    if shm_path is None or base_tensor is None:
+def region_from_kv_caches(kv_caches: dict[str, Any], memfd: int | None, base_tensor: Any) -> RegionSpec | None:
+    """Describe vLLM's per-layer KV views as a region over one buffer in the sealed ``memfd``,
+    or None when the buffer is not in one (then the daemon cannot be handed it)."""
+    if memfd is None or base_tensor is None:
         return None
     base = base_tensor.untyped_storage().data_ptr()
     size = base_tensor.untyped_storage().nbytes()
@@ -56,7 +55,7 @@ def region_from_kv_caches(kv_caches: dict[str, Any], shm_path: str | None, base_
         layers.append(LayerSpec(0, t.data_ptr() - base, t.stride(0) * t.element_size()))
     if not layers or page is None or num_blocks is None:
         return None
-    return RegionSpec((shm_path,), (size,), tuple(layers), page, num_blocks, dtype,
+    return RegionSpec((memfd,), (size,), tuple(layers), page, num_blocks, dtype,
                       engine_id=f"vllm-{os.getpid()}")
 
 
@@ -78,7 +77,7 @@ class KvbmConnectorWorker:
         self.cuda = False
 
     def set_region(self, spec: RegionSpecLike | None, cuda: bool = False) -> None:
-        """``spec``: a :class:`RegionSpec` (CPU, shm) or a ``CudaRegionSpec`` (GPU, CUDA IPC)."""
+        """``spec``: a :class:`RegionSpec` (CPU, sealed memfd) or a ``CudaRegionSpec`` (GPU, CUDA IPC)."""
         self.cuda = cuda
         self.core.set_region(spec)
 

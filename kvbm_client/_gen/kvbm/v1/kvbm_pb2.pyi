@@ -434,6 +434,16 @@ class RegisterRegionResponse(_message.Message):
     region_id: str
     def __init__(self, region_id: _Optional[str] = ...) -> None: ...
 
+class RegionSocketReply(_message.Message):
+    __slots__ = ("region_id", "code", "message")
+    REGION_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    region_id: str
+    code: int
+    message: str
+    def __init__(self, region_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
 class UnregisterRegionRequest(_message.Message):
     __slots__ = ("region_id",)
     REGION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -496,8 +506,20 @@ class WorkerStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class RegionSummary(_message.Message):
+    __slots__ = ("digest", "pid", "engine_id", "num_blocks")
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    digest: str
+    pid: int
+    engine_id: str
+    num_blocks: int
+    def __init__(self, digest: _Optional[str] = ..., pid: _Optional[int] = ..., engine_id: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
 class WorkerStatusResponse(_message.Message):
-    __slots__ = ("info", "region_id", "disk_path", "disk_backend", "counters", "region_digest", "region_socket", "region_pid")
+    __slots__ = ("info", "region_id", "disk_path", "disk_backend", "counters", "region_digest", "region_socket", "region_pid", "regions")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -513,6 +535,7 @@ class WorkerStatusResponse(_message.Message):
     REGION_DIGEST_FIELD_NUMBER: _ClassVar[int]
     REGION_SOCKET_FIELD_NUMBER: _ClassVar[int]
     REGION_PID_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
     info: WorkerInfo
     region_id: str
     disk_path: str
@@ -521,4 +544,5 @@ class WorkerStatusResponse(_message.Message):
     region_digest: str
     region_socket: str
     region_pid: int
-    def __init__(self, info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., region_id: _Optional[str] = ..., disk_path: _Optional[str] = ..., disk_backend: _Optional[str] = ..., counters: _Optional[_Mapping[str, float]] = ..., region_digest: _Optional[str] = ..., region_socket: _Optional[str] = ..., region_pid: _Optional[int] = ...) -> None: ...
+    regions: _containers.RepeatedCompositeFieldContainer[RegionSummary]
+    def __init__(self, info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., region_id: _Optional[str] = ..., disk_path: _Optional[str] = ..., disk_backend: _Optional[str] = ..., counters: _Optional[_Mapping[str, float]] = ..., region_digest: _Optional[str] = ..., region_socket: _Optional[str] = ..., region_pid: _Optional[int] = ..., regions: _Optional[_Iterable[_Union[RegionSummary, _Mapping]]] = ...) -> None: ...
