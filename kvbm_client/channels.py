@@ -31,6 +31,13 @@ def grpc_options(config: KvbmConfig) -> list[tuple[str, Any]]:
     return [(k, sized.get(k, v)) for k, v in GRPC_OPTIONS]
 
 
+#: Channel-only option. NOTE: gRPC shares subchannels between channels to the same address, so
+#: a channel dialled afresh after a daemon restarted would inherit the old one's reconnect
+#: backoff and fail its first call with the dead process's "Connection refused"; each channel
+#: of ours keeps its own.
+OWN_SUBCHANNELS = ("grpc.use_local_subchannel_pool", 1)
+
+
 def call_metadata(config: KvbmConfig, address: str, daemon_token: str | None) -> tuple[tuple[str, str], ...]:
     """What every call on a channel to ``address`` carries."""
     if daemon_token:
@@ -95,7 +102,7 @@ class _AioStreamMetadata(_AioMetadata, grpc.aio.UnaryStreamClientInterceptor):
 
 def open_channel(address: str, config: KvbmConfig, daemon_token: str | None = None) -> grpc.Channel:
     """A blocking-stack channel to ``address`` (engines' scheduler and worker roles, the CLI)."""
-    options = grpc_options(config)
+    options = [*grpc_options(config), OWN_SUBCHANNELS]
     creds = _tcp_credentials(config, address)
     channel = grpc.secure_channel(address, creds, options) if creds else grpc.insecure_channel(address, options)
     metadata = call_metadata(config, address, daemon_token)
@@ -104,7 +111,7 @@ def open_channel(address: str, config: KvbmConfig, daemon_token: str | None = No
 
 def open_aio_channel(address: str, config: KvbmConfig, daemon_token: str | None = None) -> grpc.aio.Channel:
     """An asyncio channel to ``address`` (daemons, :class:`~kvbm_client.client.AsyncKvbmClient`)."""
-    options = grpc_options(config)
+    options = [*grpc_options(config), OWN_SUBCHANNELS]
     creds = _tcp_credentials(config, address)
     metadata = call_metadata(config, address, daemon_token)
     interceptors: list[Any] | None = [_AioUnaryMetadata(metadata), _AioStreamMetadata(metadata)] \

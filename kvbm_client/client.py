@@ -201,6 +201,11 @@ class AsyncKvbmClient:
         old = self._regions.pop(worker_id, None)
         if old is not None:
             old.close()
+        # NOTE: a region registered again usually means a restarted worker: dial it afresh, as
+        # the old channel may sit in its reconnect backoff and fail the first call at once.
+        stale = self._worker_stubs.pop(worker_id, None)
+        if stale is not None:
+            await stale[0].close()
         lease = await asyncio.to_thread(register, self.config.region_socket(worker_id), spec.to_request(),
                                         spec.fds, CONTROL_TIMEOUT)
         self._regions[worker_id] = lease
