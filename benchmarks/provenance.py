@@ -36,7 +36,10 @@ def _run(*argv: str) -> str | None:
 
 
 def commit() -> dict[str, Any]:
-    """HEAD of the checkout and whether tracked files differ from it."""
+    """HEAD of the checkout and whether tracked files differ from it; ``KVBM_BENCH_COMMIT`` wins
+    (a device machine's copy may carry a stale ``.git``)."""
+    if os.environ.get("KVBM_BENCH_COMMIT"):
+        return {"commit": os.environ["KVBM_BENCH_COMMIT"], "dirty": None, "source": "KVBM_BENCH_COMMIT"}
     head = _run("git", "rev-parse", "HEAD")
     if head is None:
         return {"commit": os.environ.get("KVBM_BENCH_COMMIT"), "dirty": None, "source": "KVBM_BENCH_COMMIT"}
