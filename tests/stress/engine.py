@@ -60,7 +60,7 @@ def record(out) -> dict:
     m = out.metrics
     rec = {"output": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens or 0}
     if m is not None:
-        rec.update(ttft=m.first_token_latency, preemptions=m.num_preemptions,
+        rec.update(ttft=m.first_token_latency, preemptions=getattr(m, "num_preemptions", None),  # not in 0.26
                    e2e=(m.last_token_ts - m.queued_ts) if m.queued_ts else None)
     return rec
 

@@ -32,7 +32,7 @@ class Engine:
     """One engine_run.py process against the node; ``start_after``: it waits for its go file."""
 
     def __init__(self, vllm_python: Path, model: Path, out: Path, node, *args: str, start_after: bool = False,
-                 pause_after_round_0: bool = False) -> None:
+                 pause_after_round_0: bool = False, multiprocess: bool = False) -> None:
         self.out = out
         self.dir = out.with_suffix(".ctl")
         self.dir.mkdir()
@@ -42,7 +42,7 @@ class Engine:
         if pause_after_round_0:
             extra += ["--pause-after-rounds", "0", "--pause-dir", str(self.dir)]
         self.proc: subprocess.Popen = run_engine(vllm_python, model, out, "--kvbm", "--rounds", str(ROUNDS), *extra,
-                                                 env=node.env, wait=False)
+                                                 env=node.env, wait=False, multiprocess=multiprocess)
 
     def wait_file(self, name: str, timeout: float = 400) -> None:
         end = time.monotonic() + timeout
