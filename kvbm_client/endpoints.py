@@ -48,9 +48,22 @@ def ensure_socket_dir(directory: str) -> None:
     check_socket_dir(directory)
 
 
+#: Longest unix socket path Linux binds (``sun_path`` is 108 bytes with the terminating NUL).
+MAX_UNIX_PATH_BYTES = 107
+
+
 def prepare_unix_socket(address: str) -> str:
-    """Create or check the socket's directory and remove a stale socket file; returns the path."""
+    """Create or check the socket's directory and remove a stale socket file; returns the path.
+
+    Raises:
+        KvbmConfigError: the path is longer than a unix socket may be (said before any bind
+            fails with a bare "AF_UNIX path too long").
+    """
     path = unix_path(address)
+    size = len(os.fsencode(path))
+    if size > MAX_UNIX_PATH_BYTES:
+        raise KvbmConfigError(f"unix socket path {path} is {size} bytes, longer than the {MAX_UNIX_PATH_BYTES} "
+                              "a unix socket allows: set DYN_KVBM_SOCKET_DIR to a shorter directory")
     ensure_socket_dir(os.path.dirname(path) or ".")
     if os.path.lexists(path):
         if not stat.S_ISSOCK(os.lstat(path).st_mode):

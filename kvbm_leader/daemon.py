@@ -182,11 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     except KvbmConfigError as exc:
         print(f"kvbm-leader: {exc}", file=sys.stderr)
         return 2
+    import uvloop
     try:
-        import uvloop
-        return uvloop.run(run(daemon))
-    except ImportError:  # pragma: no cover - uvloop is a dependency
-        return asyncio.run(run(daemon))
+        return int(uvloop.run(run(daemon)))
+    except KvbmConfigError as exc:  # found while starting (e.g. a socket path too long to bind)
+        print(f"kvbm-leader: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import signal
 import sys
@@ -116,10 +117,22 @@ async def run(daemon: WorkerDaemon) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    # NOTE: start() may wait long (for the leader's node key, for the leader): a SIGTERM
+    # meanwhile stops the daemon instead of waiting for those timeouts.
+    starting = asyncio.ensure_future(daemon.start())
+    stopping = asyncio.ensure_future(stop.wait())
     try:
-        await daemon.start()
-        await stop.wait()
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if starting.done():
+            starting.result()  # a failed start raises here
+            await stopping
+        else:
+            log.info("stopped while starting")
+            starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await starting
     finally:
+        stopping.cancel()
         await daemon.close()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
@@ -178,7 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     rank = args.rank if args.rank is not None else (int(args.worker_id) if args.worker_id.isdigit() else 0)
     daemon = WorkerDaemon(config, args.worker_id, rank, args.listen, args.leader, path)
     import uvloop
-    return int(uvloop.run(run(daemon)))
+    try:
+        return int(uvloop.run(run(daemon)))
+    except KvbmConfigError as exc:  # found while starting (e.g. a socket path too long to bind)
+        print(f"kvbm-worker: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 
 import pytest
 
@@ -232,3 +233,39 @@ def test_field_subset_limits_the_flags() -> None:
     assert config_from_args(args, {}).cpu_cache_gb == 2.0
     with pytest.raises(SystemExit):
         parser.parse_args(["--metrics", "true"])
+
+
+def test_a_unix_socket_path_too_long_to_bind_is_a_clear_error(tmp_path) -> None:
+    from kvbm_client.endpoints import MAX_UNIX_PATH_BYTES, prepare_unix_socket
+    from kvbm_client.errors import KvbmConfigError
+    deep = tmp_path / ("d" * (MAX_UNIX_PATH_BYTES - len(str(tmp_path)) - 5))
+    with pytest.raises(KvbmConfigError, match="DYN_KVBM_SOCKET_DIR"):
+        prepare_unix_socket(f"unix:{deep}/worker-0.regions.sock")
+    assert not deep.exists(), "nothing is created for a socket that cannot be bound"
+    fits = tmp_path / "s"
+    assert prepare_unix_socket(f"unix:{fits}/leader.sock") == f"{fits}/leader.sock"
+
+
+def test_a_leader_whose_socket_path_is_too_long_exits_with_the_reason(tmp_path) -> None:
+    import subprocess
+    import sys
+    deep = tmp_path / ("d" * 100)
+    proc = subprocess.run([sys.executable, "-m", "kvbm_leader"], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "DYN_KVBM_SOCKET_DIR": str(deep), "DYN_KVBM_CPU_CACHE_GB": "0.01"})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "DYN_KVBM_SOCKET_DIR to a shorter directory" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_worker_waiting_for_its_leader_stops_on_sigterm(tmp_path) -> None:
+    """No leader ever comes: the worker waits for the node key, and SIGTERM ends that wait."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    proc = subprocess.Popen([sys.executable, "-m", "kvbm_worker", "--cpu"], stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "DYN_KVBM_SOCKET_DIR": str(tmp_path / "s"),
+                                 "DYN_KVBM_CPU_CACHE_GB": "0.01"})
+    time.sleep(2)
+    assert proc.poll() is None, "the worker should be waiting for its leader"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(10) == 0, proc.stderr.read()[-2000:] if proc.stderr else ""

@@ -27,6 +27,7 @@ def env_of(tmp_path: Path, **extra: str) -> dict[str, str]:
 
 def doctor(tmp_path: Path, *args: str, pythonpath: str | None = None, **env: str) -> subprocess.CompletedProcess:
     full = env_of(tmp_path, **env)
+    full["COLUMNS"] = "200"  # the table's width (a runner's own COLUMNS would wrap the lines read below)
     if pythonpath:
         full["PYTHONPATH"] = f"{pythonpath}:{full['PYTHONPATH']}"
     return subprocess.run([sys.executable, "-m", "kvbm_client.cli", "doctor", *args], env=full,
