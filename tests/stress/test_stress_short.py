@@ -12,7 +12,7 @@ from .harness import EngineConfig, baseline_stability, run_baseline, run_pass
 from .node import NodeConfig
 from .workload import WorkloadSpec, generate
 
-pytestmark = [pytest.mark.timeout(1200), pytest.mark.xdist_group("stress_short")]  # one module fixture: one xdist worker
+pytestmark = pytest.mark.timeout(1200)
 
 SPEC = WorkloadSpec(users=16, turns=3, groups=4, seed=1)
 ENGINE = EngineConfig(g1_bytes=3 << 20, max_num_seqs=8)  # fp32 tiny Llama: 24 blocks of 32 tokens

@@ -31,9 +31,6 @@ def recompute_only(log=None, worker=RecomputeOnlyConnectorWorker, **worker_kw):
                               partial(worker, call_log=log, **worker_kw))
 
 
-pytestmark = pytest.mark.xdist_group("trtllm_driver")  # one module fixture: one xdist worker
-
-
 @pytest.fixture(scope="module")
 def baseline():
     return run().outputs()

@@ -88,6 +88,16 @@ def kvbm_node(tmp_path):
         node.stop()
 
 
+def outputs(result: dict) -> list[list[int]]:
+    """Every request's greedy tokens, in workload order."""
+    return [r["output"] for r in result["records"]]
+
+
+def cached(result: dict) -> int:
+    """Prompt tokens vLLM did not compute (its prefix cache and kvbm together)."""
+    return sum(r["cached"] for r in result["records"])
+
+
 def run_engine(vllm_python: Path, model: Path, out: Path, *args: str, env: dict | None = None,
                wait: bool = True, multiprocess: bool = False) -> "subprocess.Popen | dict":
     """Run tests/vllm/engine_run.py in the vLLM venv; returns its JSON (or the process).

@@ -17,15 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_engine
+from conftest import outputs, run_engine
 
 pytestmark = pytest.mark.timeout(900)
 ROUNDS = 2
 USERS = 4  # engine_run.py's default
-
-
-def outputs(result: dict) -> list[list[int]]:
-    return [r["output"] for r in result["records"]]
 
 
 class Engine:

@@ -1,0 +1,81 @@
+"""The connector on the real vLLM engine when something fails: the worker daemon killed
+mid-workload, no kvbm at all, loads that write zeros (the negative control) or fail (vLLM
+recomputes). Outputs are compared with the baseline run without kvbm (bit for bit).
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from conftest import outputs, run_engine
+from support.fault_env import fault_env
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def _wait_file(path, proc, timeout=300) -> None:
+    end = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, "the engine died"
+        assert time.monotonic() < end, f"timed out waiting for {path.name}"
+        time.sleep(0.1)
+
+
+def test_worker_killed_mid_workload(vllm_python, tiny_model, baseline, kvbm_node, tmp_path):
+    node = kvbm_node(DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS="512")
+    pause = tmp_path / "pause"
+    pause.mkdir()
+    out = tmp_path / "kill.json"
+    proc = run_engine(vllm_python, tiny_model, out, "--kvbm", "--rounds", "4", "--pause-after-rounds", "0,1",
+                      "--pause-dir", str(pause), env=node.env, wait=False)
+    _wait_file(pause / "paused-0", proc)
+    node.kill("worker")  # SIGKILL: its pools and every block go with it
+    (pause / "resume-0").touch()
+    _wait_file(pause / "paused-1", proc)  # round 1 ran without a worker
+    before = node.counters()
+    node.start("worker")  # as `kvbm serve` would restart it
+    node.wait_ready(60)  # the idle engine's connector re-registers its KV cache by itself
+    (pause / "resume-1").touch()
+    assert proc.wait(400) == 0, out.with_suffix(".log").read_text()[-3000:]
+    import json
+    result = json.loads(out.read_text())
+    assert outputs(result) == outputs(baseline)
+    after = node.counters()
+    assert after["kvbm_offload_blocks_d2h"] > before["kvbm_offload_blocks_d2h"], "no offload after the restart"
+    assert after["kvbm_onboard_blocks_h2d"] > before["kvbm_onboard_blocks_h2d"], "no hits after the restart"
+    assert after["kvbm_lost_blocks"] > 0
+
+
+def test_engine_serves_without_kvbm_running(vllm_python, tiny_model, baseline, tmp_path):
+    """No leader, no worker: the connector warns, retries in the background, and vLLM serves."""
+    import os
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DYN_KVBM_")}
+    env["DYN_KVBM_SOCKET_DIR"] = str(tmp_path / "nothing-listens-here")
+    start = time.monotonic()
+    result = run_engine(vllm_python, tiny_model, tmp_path / "alone.json", "--kvbm", "--rounds", "4", env=env)
+    assert outputs(result) == outputs(baseline)
+    assert result["metrics"]["vllm:external_prefix_cache_hits"] == 0
+    assert time.monotonic() - start < 300
+
+
+def test_negative_control_corrupted_loads_change_outputs(vllm_python, tiny_model, baseline, kvbm_node, tmp_path):
+    """The comparison can fail: a worker that zeroes what it loads makes the outputs differ, so
+    identical outputs above mean the engine's forward pass read the bytes kvbm delivered."""
+    node = kvbm_node(DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS="512", **fault_env(CORRUPT_LOADS="1"))
+    result = run_engine(vllm_python, tiny_model, tmp_path / "corrupt.json", "--kvbm", "--rounds", "4", env=node.env)
+    assert result["metrics"]["vllm:external_prefix_cache_hits"] > 0
+    assert outputs(result) != outputs(baseline)
+
+
+def test_failed_sync_loads_are_recomputed(vllm_python, tiny_model, baseline, kvbm_node, tmp_path):
+    """A synchronous load that fails after the engine counted its tokens as computed (the worker
+    writes zeros, then errors) is recomputed by vLLM: the outputs stay the baseline's."""
+    node = kvbm_node(DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS="512", **fault_env(FAIL_LOADS="1"))
+    result = run_engine(vllm_python, tiny_model, tmp_path / "fail.json", "--kvbm", "--rounds", "4",
+                        "--kvbm-extra", json.dumps({"load_mode": "sync"}), env=node.env)
+    assert outputs(result) == outputs(baseline)
+    c = node.counters()
+    assert c["kvbm_failed_jobs"] > 0, "no load was attempted, so nothing was tested"
+    assert c.get("kvbm_onboard_blocks_h2d", 0) == 0
