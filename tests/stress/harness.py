@@ -63,6 +63,10 @@ class EngineConfig:
     cuda_graphs: bool = False
     load_mode: str = "sync"
     early_loads: bool = True
+    #: vLLM's default layout (engine core in its own process); False runs it in-process
+    #: (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the same scheduler and connector roles, a faster
+    #: start; the CI short test uses it, the harness's command line keeps the default)
+    multiprocess: bool = True
 
     def argv(self, kvbm: bool) -> list[str]:
         argv = ["--g1-bytes", str(self.g1_bytes), "--max-num-seqs", str(self.max_num_seqs),
@@ -103,6 +107,7 @@ class Run:
         env.update(PYTHONPATH=os.pathsep.join(filter(None, [self.src or str(REPO), os.environ.get("PYTHONPATH")])),
                    VLLM_CACHE_ROOT=str(self.out.parent / "vllm-cache"))
         env.update(self.env)
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.engine.multiprocess else "0"
         argv = [str(vllm_python()), str(ENGINE), "--model", str(self.model), "--workload", str(self.workload),
                 "--out", str(self.out), "--marker-dir", str(self.marker_dir), *self.engine.argv(self.kvbm)]
         return subprocess.Popen(argv, env=env, stdout=open(self.log, "wb"), stderr=subprocess.STDOUT)
