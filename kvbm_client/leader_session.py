@@ -74,12 +74,16 @@ class LeaderSession:
 
     def _renew(self) -> None:
         core = self._session
+        failing = False  # NOTE: the first failure of a streak is a warning (the pins expire at the TTL)
         while not self._stop.wait(core.renew_every_s):
             try:
                 self._stub.KeepAlive(core.keepalive_request(), timeout=core.renew_every_s)
+                failing = False
             except grpc.RpcError as exc:
                 if not core.reopen_after(exc):
-                    log.debug("kvbm keepalive failed: %s", exc.code().name)
+                    (log.debug if failing else log.warning)("kvbm keepalive of session %s failed: %s %s",
+                                                            core.session_id, exc.code().name, exc.details())
+                    failing = True
                     continue
                 try:
                     self._open()
