@@ -183,11 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvbm-leader: {exc}", file=sys.stderr)
         return 2
     import uvloop
-    try:
-        return int(uvloop.run(run(daemon)))
-    except KvbmConfigError as exc:  # found while starting (e.g. a socket path too long to bind)
-        print(f"kvbm-leader: {exc}", file=sys.stderr)
-        return 2
+    return int(uvloop.run(run(daemon)))
 
 
 if __name__ == "__main__":

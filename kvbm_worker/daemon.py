@@ -124,7 +124,11 @@ async def run(daemon: WorkerDaemon) -> int:
     try:
         await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
         if starting.done():
-            starting.result()  # a failed start raises here
+            try:
+                starting.result()  # a failed start raises here
+            except KvbmConfigError as exc:  # e.g. a socket path too long to bind (as the leader's run)
+                log.error("%s", exc)
+                return 2
             await stopping
         else:
             log.info("stopped while starting")
@@ -191,11 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = args.rank if args.rank is not None else (int(args.worker_id) if args.worker_id.isdigit() else 0)
     daemon = WorkerDaemon(config, args.worker_id, rank, args.listen, args.leader, path)
     import uvloop
-    try:
-        return int(uvloop.run(run(daemon)))
-    except KvbmConfigError as exc:  # found while starting (e.g. a socket path too long to bind)
-        print(f"kvbm-worker: {exc}", file=sys.stderr)
-        return 2
+    return int(uvloop.run(run(daemon)))
 
 
 if __name__ == "__main__":

@@ -269,3 +269,23 @@ def test_a_worker_waiting_for_its_leader_stops_on_sigterm(tmp_path) -> None:
     assert proc.poll() is None, "the worker should be waiting for its leader"
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(10) == 0, proc.stderr.read()[-2000:] if proc.stderr else ""
+
+
+def test_a_worker_whose_socket_path_is_too_long_exits_with_the_reason(tmp_path) -> None:
+    """The leader's socket fits, the worker's region socket does not: the worker says so."""
+    import signal
+    import subprocess
+    import sys
+    from kvbm_client.endpoints import MAX_UNIX_PATH_BYTES
+    room = MAX_UNIX_PATH_BYTES - len(str(tmp_path)) - len("/leader.sock") - 1
+    sock = tmp_path / ("d" * room)
+    env = {**os.environ, "DYN_KVBM_SOCKET_DIR": str(sock), "DYN_KVBM_CPU_CACHE_GB": "0.01"}
+    leader = subprocess.Popen([sys.executable, "-m", "kvbm_leader"], env=env, stderr=subprocess.DEVNULL)
+    try:
+        worker = subprocess.run([sys.executable, "-m", "kvbm_worker", "--cpu"], capture_output=True, text=True,
+                                timeout=60, env=env)
+    finally:
+        leader.send_signal(signal.SIGTERM)
+        leader.wait(10)
+    assert worker.returncode == 2, worker.stderr[-2000:]
+    assert "DYN_KVBM_SOCKET_DIR to a shorter directory" in worker.stderr and "Traceback" not in worker.stderr
