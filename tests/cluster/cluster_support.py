@@ -144,12 +144,12 @@ def wait_for(predicate: Callable[[], bool], timeout: float, what: str, interval:
     return time.monotonic() - start
 
 
-class EventCollector:
-    """Subscribes to a NATS subject on a private loop thread and keeps every message (JSON)."""
+class NatsSubscriber:
+    """A NATS subscription on a private loop thread (the tests themselves are synchronous);
+    subclasses handle each message in :meth:`on_msg`, on that thread."""
 
     def __init__(self, url: str, subject: str) -> None:
         self.url, self.subject = url, subject
-        self.messages: list[dict] = []
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
@@ -159,18 +159,12 @@ class EventCollector:
         import nats
 
         nc = await nats.connect(self.url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
-
-        async def on_msg(msg) -> None:
-            self.messages.append(json.loads(msg.data))
-
-        await nc.subscribe(self.subject, cb=on_msg)
+        await nc.subscribe(self.subject, cb=self.on_msg)
+        await nc.flush()  # subscribed at the server before the constructor returns
         return nc
 
-    def of_kind(self, kind: str) -> list[dict]:
-        return [m for m in list(self.messages) if m["kind"] == kind]
-
-    def stored_hashes(self) -> set[str]:
-        return {b["block_hash"] for m in self.of_kind("stored") for b in m["blocks"]}
+    async def on_msg(self, msg) -> None:
+        raise NotImplementedError
 
     def close(self) -> None:
         try:
@@ -179,3 +173,21 @@ class EventCollector:
             pass
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
+
+
+class EventCollector(NatsSubscriber):
+    """Keeps every message of a NATS subject (JSON)."""
+
+    def __init__(self, url: str, subject: str) -> None:
+        self.messages: list[dict] = []
+        super().__init__(url, subject)
+
+    async def on_msg(self, msg) -> None:
+        self.messages.append(json.loads(msg.data))
+
+    def of_kind(self, kind: str) -> list[dict]:
+        return [m for m in list(self.messages) if m["kind"] == kind]
+
+    def stored_hashes(self) -> set[str]:
+        return {b["block_hash"] for m in self.of_kind("stored") for b in m["blocks"]}
+

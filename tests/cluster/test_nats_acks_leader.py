@@ -7,12 +7,10 @@ Real nats-server, real leader and worker processes.
 """
 from __future__ import annotations
 
-import asyncio
 import signal
-import threading
 import time
 
-from cluster_support import wait_for
+from cluster_support import NatsSubscriber, wait_for
 from kvbm_client import sequence_hashes
 from kvbm_client.contract import pb
 
@@ -21,42 +19,22 @@ def keys_of(n: int, seed: int) -> list[bytes]:
     return sequence_hashes([seed * 100_003 + i for i in range(n * 16)], 16)
 
 
-class RogueResponder:
+class RogueResponder(NatsSubscriber):
     """Subscribes to a worker's command subject and answers every command at once with a
     forged acknowledgement (ok, right worker and job, a signature it had to invent)."""
 
     def __init__(self, url: str, subject: str) -> None:
         self.answered: list[int] = []
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._thread.start()
-        self._nc = asyncio.run_coroutine_threadsafe(self._connect(url, subject), self._loop).result(10)
+        super().__init__(url, subject)
 
-    async def _connect(self, url: str, subject: str):
-        import nats
-
-        nc = await nats.connect(url)
-
-        async def on_command(msg) -> None:
-            request = pb.CommandRequest()
-            request.ParseFromString(msg.data)
-            plan = pb.TransferPlan()
-            plan.ParseFromString(request.plan.plan)
-            forged = pb.CommandResponse(ok=True, worker_id="0", job_id=plan.job_id, signature=b"\x00" * 32)
-            await msg.respond(forged.SerializeToString())
-            self.answered.append(plan.job_id)
-
-        await nc.subscribe(subject, cb=on_command)
-        await nc.flush()
-        return nc
-
-    def close(self) -> None:
-        try:
-            asyncio.run_coroutine_threadsafe(self._nc.close(), self._loop).result(5)
-        except Exception:
-            pass
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
+    async def on_msg(self, msg) -> None:
+        request = pb.CommandRequest()
+        request.ParseFromString(msg.data)
+        plan = pb.TransferPlan()
+        plan.ParseFromString(request.plan.plan)
+        forged = pb.CommandResponse(ok=True, worker_id="0", job_id=plan.job_id, signature=b"\x00" * 32)
+        await msg.respond(forged.SerializeToString())
+        self.answered.append(plan.job_id)
 
 
 def counters(node) -> dict:
