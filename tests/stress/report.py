@@ -13,7 +13,12 @@ COLUMNS = ("pass", "code", "differing", "preemptions", "tokens from kvbm", "G1â†
 
 
 def code_of(result: dict) -> str:
-    return result.get("label") or ("main " + result["commit"] if not result.get("kvbm_src") else "fixes")
+    """The code a result ran: a label, "fixes" (another checkout), or the commit, short.
+    (Older files hold ``git describe --dirty``; newer ones provenance's full hash and ``dirty``.)"""
+    if result.get("label") or result.get("kvbm_src"):
+        return result.get("label") or "fixes"
+    commit = result["commit"]
+    return "main " + (commit if "-" in commit else commit[:7] + ("-dirty" if result.get("dirty") else ""))
 
 
 def row(result: dict, p: dict) -> list[str]:

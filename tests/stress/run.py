@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -25,6 +24,9 @@ from .faults import Fault, FaultKind
 from .harness import EngineConfig, EngineFailed, baseline_stability, ensure_model, run_baseline, run_pass
 from .node import REPO, NodeConfig
 from .workload import WorkloadSpec, generate
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+from provenance import provenance  # noqa: E402  (the record every benchmark result starts with)
 
 PASSES = ("none", "sigstop", "kill-worker", "kill-leader", "disk-eio")
 
@@ -85,18 +87,6 @@ def fault_of(name: str, args) -> list[Fault]:
     raise SystemExit(f"unknown pass {name!r}; one of {', '.join(PASSES)}")
 
 
-def machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    return {"host": platform.node(), "platform": platform.platform(), "cpu": cpu, "cpus": os.cpu_count(),
-            "python": platform.python_version(), "loadavg_at_start": os.getloadavg()}
-
-
-def commit() -> str:
-    out = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"], capture_output=True, text=True)
-    return out.stdout.strip()
-
-
 def src_diff(src: str) -> str:
     """What another checkout (``--kvbm-src``) changes in the kvbm packages, as a unified diff."""
     if not src:
@@ -118,8 +108,7 @@ def main(argv=None) -> int:
                           max_model_len=args.max_model_len, block_size=args.block_size, dtype=args.dtype,
                           async_scheduling=args.async_scheduling, cuda_graphs=args.cuda_graphs,
                           load_mode=args.load_mode, early_loads=not args.no_early_loads)
-    result = {"commit": commit(), "argv": sys.argv, "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-              "workload": spec.__dict__, "engine": engine.__dict__, "kvbm_src": args.kvbm_src,
+    result = {**provenance(), "loadavg_at_start": os.getloadavg(), "workload": spec.__dict__, "engine": engine.__dict__, "kvbm_src": args.kvbm_src,
               "kvbm_src_diff": src_diff(args.kvbm_src), "passes": []}
     baseline = run_baseline(model, workload, engine, work)
     if not args.skip_baseline_check:
