@@ -7,7 +7,8 @@
 # 8K workload:  (the harness defaults) --users 8 --sys-len 1024 --ctx-len 6144 --turn-len 256 --g1-gb 3
 # The kvbm service (leader + one `--gpu 0` worker, G2 = 24 GB) is started beside the engine and
 # outlives each engine process; the engine reaches it through the README's kv-transfer-config.
-# OURS_EXTRA: kv_connector_extra_config JSON for "ours" (default {}: synchronous loads).
+# OURS_EXTRA: kv_connector_extra_config JSON for "ours" (default {}: load_mode auto, which is
+# asynchronous under vLLM's V2 model runner; {"load_mode":"sync"} for the faster synchronous loads).
 # KVBM_LOGDIR: daemon logs and each engine's stderr (default /tmp/kvbm-logs).
 set -u
 out=$1; systems=$2; shift 2

@@ -86,3 +86,42 @@ def test_overlapping_steps_follow_asynchronous_scheduling(compat):
     sync = SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=False))
     overlapped = SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=True))
     assert compat.overlapping_steps(sync) == 1 and compat.overlapping_steps(overlapped) == 2
+
+
+class _RaisingConfig:
+    """A config whose ``use_v2_model_runner`` property cannot decide (it raises)."""
+
+    kv_transfer_config = SimpleNamespace(kv_load_failure_policy="recompute")
+
+    @property
+    def use_v2_model_runner(self) -> bool:
+        raise RuntimeError("cannot tell")
+
+
+@pytest.mark.parametrize("v2,expected", [(True, "async"), (False, "sync"), (None, "sync")])
+def test_auto_load_mode_is_async_only_where_vllm_mis_recomputes_a_failed_sync_load(compat, v2, expected):
+    # the policy is not consulted: a MultiConnector child's config says "fail" whatever the outer one says
+    config = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_load_failure_policy="fail"))
+    if v2 is not None:  # None: a vLLM without the V2 runner (the attribute is missing)
+        config.use_v2_model_runner = v2
+    mode, why = compat.auto_load_mode(config)
+    assert mode == expected
+    assert ("49250" in why) == (expected == "async")
+
+
+def test_auto_load_mode_takes_the_safe_side_when_the_runner_is_unknown(compat):
+    assert compat.auto_load_mode(_RaisingConfig())[0] == "async"
+
+
+def test_settings_resolve_auto_and_keep_an_explicit_mode():
+    from kvbm_client.connectors.core.settings import ConnectorSettings, LoadMode
+    for extra, auto, expected in (({}, LoadMode.ASYNC, LoadMode.ASYNC), ({}, LoadMode.SYNC, LoadMode.SYNC),
+                                  ({"load_mode": "AUTO"}, LoadMode.ASYNC, LoadMode.ASYNC),
+                                  ({"load_mode": "sync"}, LoadMode.ASYNC, LoadMode.SYNC),
+                                  ({"load_mode": "async"}, LoadMode.SYNC, LoadMode.ASYNC)):
+        assert ConnectorSettings.from_extra(extra, "ns", auto_load_mode=auto).load_mode is expected
+    with pytest.raises(ValueError, match="load_mode"):
+        ConnectorSettings.from_extra({"load_mode": "eager"}, "ns")
+    with pytest.raises(ValueError, match="resolve 'auto'"):
+        ConnectorSettings(leader_address="a", worker_address_template="{id}", namespace="n", timeout_s=1,
+                          retry_s=1, load_mode=LoadMode.AUTO)

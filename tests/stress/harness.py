@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -61,8 +62,11 @@ class EngineConfig:
     dtype: str = "float32"
     async_scheduling: str = "auto"  # "on" on the GPU build (0.26); the CPU build forces it off
     cuda_graphs: bool = False
-    load_mode: str = "sync"
+    load_mode: str = "auto"
     early_loads: bool = True
+    #: vLLM's model runner: "default" (vLLM picks: V2 for most GPU models, V1 on the CPU build
+    #: without Triton), "v1" or "v2" (``VLLM_USE_V2_MODEL_RUNNER``)
+    model_runner: str = "default"
     #: vLLM's default layout (engine core in its own process); False runs it in-process
     #: (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the same scheduler and connector roles, a faster
     #: start; the CI short test uses it, the harness's command line keeps the default)
@@ -108,6 +112,8 @@ class Run:
                    VLLM_CACHE_ROOT=str(self.out.parent / "vllm-cache"))
         env.update(self.env)
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.engine.multiprocess else "0"
+        if self.engine.model_runner != "default":
+            env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if self.engine.model_runner == "v2" else "0"
         argv = [str(vllm_python()), str(ENGINE), "--model", str(self.model), "--workload", str(self.workload),
                 "--out", str(self.out), "--marker-dir", str(self.marker_dir), *self.engine.argv(self.kvbm)]
         return subprocess.Popen(argv, env=env, stdout=open(self.log, "wb"), stderr=subprocess.STDOUT)
@@ -124,6 +130,8 @@ class Run:
         result = json.loads(self.out.read_text())
         log = self.log.read_text(errors="replace")
         result["engine_log"] = {k: log.count(pattern) for k, pattern in ENGINE_LOG_COUNTS.items()}
+        chosen = re.search(r"kvbm: load_mode auto -> (\w+)", log)
+        result["engine_log"]["load_mode_auto"] = chosen.group(1) if chosen else None
         return result
 
     def _tail(self) -> str:

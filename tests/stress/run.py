@@ -46,7 +46,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     e.add_argument("--dtype", default="float32")
     e.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto")
     e.add_argument("--cuda-graphs", action="store_true")
-    e.add_argument("--load-mode", choices=("sync", "async"), default="sync")
+    e.add_argument("--load-mode", choices=("auto", "sync", "async"), default="auto",
+                   help="the connector's load_mode (auto: its default, see compat.auto_load_mode)")
+    e.add_argument("--model-runner", choices=("default", "v1", "v2"), default="default",
+                   help="vLLM's model runner (VLLM_USE_V2_MODEL_RUNNER; default: vLLM's choice)")
     e.add_argument("--no-early-loads", action="store_true")
     n = p.add_argument_group("kvbm node")
     n.add_argument("--g2-blocks", type=int, default=48)
@@ -107,7 +110,8 @@ def main(argv=None) -> int:
     engine = EngineConfig(g1_bytes=int(args.g1_mib * (1 << 20)), max_num_seqs=args.max_num_seqs,
                           max_model_len=args.max_model_len, block_size=args.block_size, dtype=args.dtype,
                           async_scheduling=args.async_scheduling, cuda_graphs=args.cuda_graphs,
-                          load_mode=args.load_mode, early_loads=not args.no_early_loads)
+                          load_mode=args.load_mode, early_loads=not args.no_early_loads,
+                          model_runner=args.model_runner)
     result = {**provenance(), "loadavg_at_start": os.getloadavg(), "workload": spec.__dict__, "engine": engine.__dict__, "kvbm_src": args.kvbm_src,
               "kvbm_src_diff": src_diff(args.kvbm_src), "passes": []}
     baseline = run_baseline(model, workload, engine, work)

@@ -20,6 +20,10 @@ class LoadMode(str, enum.Enum):
     #: while the request waits (vLLM's WAITING_FOR_REMOTE_KVS) and other requests keep
     #: running (no stall of their decodes)
     ASYNC = "async"
+    #: the engine's connector picks one of the two (the configured default): synchronous
+    #: unless the engine recomputes a failed synchronous load wrongly (see the vLLM connector's
+    #: ``compat.auto_load_mode``). A resolved :class:`ConnectorSettings` never holds it.
+    AUTO = "auto"
 
 
 LOAD_MODES = tuple(m.value for m in LoadMode)
@@ -48,10 +52,14 @@ class ConnectorSettings:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "load_mode", _load_mode(self.load_mode))
+        if self.load_mode is LoadMode.AUTO:
+            raise ValueError("ConnectorSettings.load_mode: resolve 'auto' first (from_extra's auto_load_mode)")
 
     @classmethod
-    def from_extra(cls, extra: Mapping[str, Any], default_namespace: str, engine_id: str = "") -> "ConnectorSettings":
-        """Settings from an engine's connector config dict (``extra``)."""
+    def from_extra(cls, extra: Mapping[str, Any], default_namespace: str, engine_id: str = "",
+                   auto_load_mode: LoadMode = LoadMode.SYNC) -> "ConnectorSettings":
+        """Settings from an engine's connector config dict (``extra``); ``load_mode`` "auto" (the
+        default) becomes ``auto_load_mode``, the mode the engine's connector chose for it."""
         overrides = {k: extra[k] for k in ("socket_dir", "leader_address") if extra.get(k)}
         cfg = KvbmConfig.from_env(**overrides)
         template = extra.get("worker_address") or cfg.worker_address("{id}")
@@ -61,7 +69,7 @@ class ConnectorSettings:
                    namespace=str(extra.get("namespace") or default_namespace),
                    timeout_s=float(extra.get("timeout_s", 2.0)), retry_s=float(extra.get("retry_s", 2.0)),
                    ready_timeout_s=float(extra.get("ready_timeout_s", 120.0)),
-                   load_mode=_load_mode(extra.get("load_mode", "sync")),
+                   load_mode=resolve_load_mode(extra.get("load_mode", LoadMode.AUTO.value), auto_load_mode),
                    early_loads=_flag("early_loads", extra.get("early_loads", True)))
 
     @property
@@ -73,6 +81,12 @@ class ConnectorSettings:
 
     def region_socket(self, worker_id: str) -> str:
         return (self.region_socket_template or self.config.region_socket("{id}")).replace("{id}", worker_id)
+
+
+def resolve_load_mode(value: Any, auto: LoadMode) -> LoadMode:
+    """The configured ``load_mode`` (checked), with "auto" replaced by ``auto``."""
+    mode = _load_mode(value)
+    return auto if mode is LoadMode.AUTO else mode
 
 
 def _load_mode(value: Any) -> LoadMode:

@@ -77,6 +77,34 @@ def defers_block_frees(vllm_config) -> bool:
     return hasattr(Scheduler, "_drain_deferred_frees") and bool(getattr(ktc, "is_kv_consumer", False))
 
 
+def auto_load_mode(vllm_config) -> tuple[str, str]:
+    """What ``load_mode: "auto"`` (the default) means on this engine: ``("sync" | "async", why)``.
+
+    Synchronous loads are the fast path (the hit is in place in the step that computes the rest
+    of the prompt: one engine step less per hit). But a synchronous load that fails is recomputed
+    by the engine after the model runner has already seen the request with the hit counted as
+    computed, and vLLM's V2 model runner (the default for most GPU models) rewinds only its CPU
+    copy of ``num_computed_tokens`` then: the recompute reads tokens and positions from a stale
+    device-side count, and under async scheduling the request also keeps its in-flight output
+    placeholders, so its output is wrong (vllm#49250, open; fixes proposed in vllm#49252 and
+    vllm#53298; present in 0.26 and 0.32). An asynchronous load fails while the request waits
+    (``WAITING_FOR_REMOTE_KVS``), before the runner has seen it, and is recomputed correctly.
+
+    So: asynchronous under the V2 model runner, synchronous under V1 (which recomputes
+    correctly; the CPU build without Triton runs V1). NOTE: ``kv_load_failure_policy`` is not
+    consulted: inside a ``MultiConnector`` a child's config carries vLLM's default ("fail")
+    while the scheduler acts on the outer config's policy, so the child cannot know it.
+    """
+    try:
+        v2 = bool(getattr(vllm_config, "use_v2_model_runner", False))
+    except Exception:  # noqa: BLE001 - a config the property cannot judge: treat as V2 (the safe side)
+        v2 = True
+    if v2:
+        return "async", ("vLLM's V2 model runner recomputes a failed synchronous load wrongly (vllm#49250); "
+                         "set load_mode \"sync\" to take one engine step off each hit's TTFT at that risk")
+    return "sync", "vLLM's V1 model runner recomputes a failed synchronous load correctly"
+
+
 def block_page(shape, strides) -> int | None:
     """Elements of one block's page when dim 0 indexes blocks and each block's slice is one
     dense range (any order of the other dims: vLLM 0.26 FlashAttention per-layer views are

@@ -22,7 +22,7 @@ except ImportError:  # pragma: no cover - older vLLM
         """Stands in where vLLM has no hybrid KV cache manager."""
 
 from ...ids import EngineBlockId
-from ..core.settings import ConnectorSettings, worker_ids
+from ..core.settings import ConnectorSettings, LoadMode, worker_ids
 from . import compat
 from .metadata import KvbmConnectorMetadata
 from .scheduler import KvbmConnectorScheduler
@@ -48,8 +48,15 @@ class KvbmConnector(KVConnectorBase_V1, SupportsHMA):
         extra = dict(getattr(ktc, "kv_connector_extra_config", None) or {})
         # NOTE: engine_id is the same in the scheduler and worker processes of one engine (vLLM
         # pickles the config to its workers); the scheduler finds its worker's region ids by it.
+        auto_mode, why = compat.auto_load_mode(vllm_config)
         self._settings = ConnectorSettings.from_extra(extra, compat.namespace(vllm_config),
-                                                      engine_id=str(ktc.engine_id or ""))
+                                                      engine_id=str(ktc.engine_id or ""),
+                                                      auto_load_mode=LoadMode(auto_mode))
+        if str(extra.get("load_mode", LoadMode.AUTO.value)).lower() == LoadMode.AUTO.value:
+            # NOTE: a warning when auto gives up the faster synchronous loads: the operator should
+            # know why hits cost one engine step more (vLLM's engine process shows warnings only)
+            (log.warning if auto_mode == LoadMode.ASYNC.value else log.info)(
+                "kvbm: load_mode auto -> %s (%s)", auto_mode, why)
         groups = compat.kv_cache_groups(kv_cache_config)
         #: False for an engine kvbm cannot serve (several KV cache groups): every hook is neutral
         self._enabled = groups <= 1

@@ -5,10 +5,13 @@ Runs in vLLM's EngineCore process, on the scheduler's thread. Everything engine-
 :class:`~kvbm_client.connectors.core.SchedulerCore`; this adapter reads vLLM's request and
 scheduler output and nothing else.
 
-Loads are synchronous by default (``load_mode``): the hit's tokens count as computed at
-once, the worker role copies them in before the step's forward, and the request is prefilled
-in the same step. ``load_mode: "async"`` parks the request in ``WAITING_FOR_REMOTE_KVS``
-until the worker role reports the load done, so other requests' steps never wait for a copy.
+Loads are synchronous (``load_mode: "sync"``): the hit's tokens count as computed at once, the
+worker role copies them in before the step's forward, and the request is prefilled in the same
+step; or asynchronous (``"async"``): the request waits in ``WAITING_FOR_REMOTE_KVS`` until the
+worker role reports the load done, so other requests' steps never wait for a copy. The default
+``"auto"`` is synchronous unless vLLM would recompute a failed synchronous load wrongly (its V2
+model runner with ``kv_load_failure_policy: "recompute"``, vllm#49250; see
+:func:`.compat.auto_load_mode`).
 """
 from __future__ import annotations
 
