@@ -90,8 +90,11 @@ def auto_load_mode(vllm_config) -> tuple[str, str]:
     vllm#53298; present in 0.26 and 0.32). An asynchronous load fails while the request waits
     (``WAITING_FOR_REMOTE_KVS``), before the runner has seen it, and is recomputed correctly.
 
-    So: asynchronous under the V2 model runner, synchronous under V1 (which recomputes
-    correctly; the CPU build without Triton runs V1). NOTE: ``kv_load_failure_policy`` is not
+    vLLM 0.26's V1 runner under async scheduling fails too (measured, ``tests/stress`` on an
+    H200: a gather index out of bounds kills the engine after "Recovered from KV load failure").
+
+    So: synchronous only under the V1 model runner with one step at a time (the CPU build:
+    no Triton, no async scheduling), asynchronous otherwise. NOTE: ``kv_load_failure_policy`` is not
     consulted: inside a ``MultiConnector`` a child's config carries vLLM's default ("fail")
     while the scheduler acts on the outer config's policy, so the child cannot know it.
     """
@@ -99,10 +102,11 @@ def auto_load_mode(vllm_config) -> tuple[str, str]:
         v2 = bool(getattr(vllm_config, "use_v2_model_runner", False))
     except Exception:  # noqa: BLE001 - a config the property cannot judge: treat as V2 (the safe side)
         v2 = True
-    if v2:
-        return "async", ("vLLM's V2 model runner recomputes a failed synchronous load wrongly (vllm#49250); "
-                         "set load_mode \"sync\" to take one engine step off each hit's TTFT at that risk")
-    return "sync", "vLLM's V1 model runner recomputes a failed synchronous load correctly"
+    risk = "vLLM's V2 model runner" if v2 else "async scheduling" if overlapping_steps(vllm_config) > 1 else ""
+    if risk:
+        return "async", (f"{risk} recomputes a failed synchronous load wrongly (vllm#49250); set load_mode "
+                         "\"sync\" to take one engine step off each hit's TTFT at that risk")
+    return "sync", "vLLM's V1 model runner, one step at a time, recomputes a failed synchronous load correctly"
 
 
 def block_page(shape, strides) -> int | None:
