@@ -18,19 +18,21 @@ SLOW_DISK = dict(DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS="4", DYN_KVBM_DISK_CACHE
 PREFILL = 1000.0
 
 
-def _in_g3(node, client, keys):
-    client.wait(client.offload(keys, [0, 1]))
-    client.wait(client.offload(hashes(4, 8), [2, 3, 4, 5]))  # pushes both to G3
-    assert client.match(keys, count_hit=False).tiers == (Tier.DISK, Tier.DISK)
-
-
-def test_slow_g3_hit_is_recomputed_promoted_then_loaded_from_g2(make_node):
+def _g3_hit(make_node):
+    """A node with a slow-disk prior and two blocks only in G3: (node, client, engine memory,
+    their keys, their bytes)."""
     node = make_node(**SLOW_DISK)
     client, engines = node.ready_client()
     eng = engines["0"].array
     keys = hashes(2, 7)
-    _in_g3(node, client, keys)
-    original = eng[0:2].copy()
+    client.wait(client.offload(keys, [0, 1]))
+    client.wait(client.offload(hashes(4, 8), [2, 3, 4, 5]))  # pushes both to G3
+    assert client.match(keys, count_hit=False).tiers == (Tier.DISK, Tier.DISK)
+    return node, client, eng, keys, eng[0:2].copy()
+
+
+def test_slow_g3_hit_is_recomputed_promoted_then_loaded_from_g2(make_node):
+    node, client, eng, keys, original = _g3_hit(make_node)
 
     handle = client.prepare_load(keys, count_hit=True, tokens_per_block=16, prefill_tokens_per_s=PREFILL)
     assert handle.is_empty and handle.skipped_cost == 2  # nothing pinned, nothing to start
@@ -56,12 +58,7 @@ def test_slow_g3_hit_is_recomputed_promoted_then_loaded_from_g2(make_node):
 
 
 def test_without_an_estimate_the_g3_hit_is_loaded_as_before(make_node):
-    node = make_node(**SLOW_DISK)
-    client, engines = node.ready_client()
-    eng = engines["0"].array
-    keys = hashes(2, 7)
-    _in_g3(node, client, keys)
-    original = eng[0:2].copy()
+    node, client, eng, keys, original = _g3_hit(make_node)
     eng[:] = 0
     handle = client.prepare_load(keys, count_hit=True, tokens_per_block=16, prefill_tokens_per_s=0.0)
     assert handle.num_blocks == 2 and handle.skipped_cost == 0
