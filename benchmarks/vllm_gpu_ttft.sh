@@ -8,7 +8,8 @@
 # The kvbm service (leader + one `--gpu 0` worker, G2 = 24 GB) is started beside the engine and
 # outlives each engine process; the engine reaches it through the README's kv-transfer-config.
 # OURS_EXTRA: kv_connector_extra_config JSON for "ours" (default {}: load_mode auto, which is
-# asynchronous under vLLM's V2 model runner; {"load_mode":"sync"} for the faster synchronous loads).
+# asynchronous under vLLM's V2 model runner or async scheduling; {"load_mode":"sync"} for the faster
+# synchronous loads; {"cost_aware_loads":false}: load every hit, the behaviour before cost-aware loads).
 # KVBM_LOGDIR: daemon logs and each engine's stderr (default /tmp/kvbm-logs).
 set -u
 out=$1; systems=$2; shift 2
@@ -20,7 +21,13 @@ export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
 logdir=${KVBM_LOGDIR:-/tmp/kvbm-logs}; mkdir -p "$logdir"
 pids=()
 if [[ ",$systems," == *",ours"* ]]; then
-  export DYN_KVBM_SOCKET_DIR=/tmp/kvbm-sock-$$ DYN_KVBM_CPU_CACHE_GB=24
+  # KVBM_G2_GB / KVBM_G3_GB: the service's G2 size (default 24) and a G3 size (default none; with
+  # it every block evicted from G2 goes to G3, in KVBM_G3_DIR): a small G2 makes hits come from G3
+  export DYN_KVBM_SOCKET_DIR=/tmp/kvbm-sock-$$ DYN_KVBM_CPU_CACHE_GB=${KVBM_G2_GB:-24}
+  if [[ -n "${KVBM_G3_GB:-}" ]]; then
+    export DYN_KVBM_DISK_CACHE_GB=$KVBM_G3_GB DYN_KVBM_DISK_CACHE_DIR=${KVBM_G3_DIR:-/tmp} \
+      DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER=true
+  fi
   DYN_LOG=${DYN_LOG:-info} python3 -m kvbm_leader >>"$logdir/leader.log" 2>&1 & pids+=($!)
   DYN_LOG=${DYN_LOG:-info} python3 -m kvbm_worker --gpu 0 --no-nixl >>"$logdir/worker.log" 2>&1 & pids+=($!)
   unset DYN_KVBM_CPU_CACHE_GB  # the harness sets it for the engine process

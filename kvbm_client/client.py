@@ -240,11 +240,14 @@ class AsyncKvbmClient:
         return store_handle(resp)
 
     async def prepare_load(self, hashes: Sequence[BlockHash], count_hit: bool = False,
-                           tokens_per_block: int = 0) -> TransferHandle:
+                           tokens_per_block: int = 0, prefill_tokens_per_s: float = 0.0) -> TransferHandle:
         """Plan and pin the longest stored prefix of ``hashes`` (``count_hit``: also count it
-        as a lookup, saving a separate :meth:`match` round trip)."""
+        as a lookup, saving a separate :meth:`match` round trip; ``prefill_tokens_per_s`` > 0
+        with ``tokens_per_block``: only as far as loading beats recomputing, see
+        :mod:`kvbm_leader.onboard_cost`)."""
         resp = await self._leader_call("PrepareLoad", pb.PrepareLoadRequest(
-            hashes=list(hashes), count_hit=count_hit, tokens_per_block=tokens_per_block))
+            hashes=list(hashes), count_hit=count_hit, tokens_per_block=tokens_per_block,
+            prefill_tokens_per_s=prefill_tokens_per_s))
         return load_handle(resp)
 
     def start(self, handle: TransferHandle, engine_blocks: Sequence[EngineBlockId] | Sequence[int],

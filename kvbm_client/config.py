@@ -96,6 +96,17 @@ OPTIONS: tuple[Option, ...] = (
            "Longest hash list one request may carry.", "kvbm"),
     Option("host_free_watermark", "DYN_KVBM_HOST_FREE_WATERMARK", float, 0.05,
            "Fraction of G2 kept free by background demotion/eviction.", "kvbm"),
+    # ---- cost-aware onboarding (kvbm_leader/onboard_cost.py) ----
+    Option("cost_aware_loads", "DYN_KVBM_COST_AWARE_LOADS", parse_bool, True,
+           "Connectors load a hit only as far as loading beats recomputing it (the rest is "
+           "recomputed, its G3 blocks promoted to G2); false: load every hit.", "kvbm"),
+    Option("prefill_tokens_per_s", "DYN_KVBM_PREFILL_TOKENS_PER_S", float, 0.0,
+           "The engine's prefill speed a connector assumes until it measured one (0: load every "
+           "hit until then).", "kvbm"),
+    Option("host_load_gbps", "DYN_KVBM_HOST_LOAD_GBPS", float, 20.0,
+           "Prior of the G2 load bandwidth per worker, GB/s (measured loads take over).", "kvbm"),
+    Option("disk_load_gbps", "DYN_KVBM_DISK_LOAD_GBPS", float, 2.0,
+           "Prior of the G3 load bandwidth per worker, GB/s (measured loads take over).", "kvbm"),
     # ---- cluster plane (kvbm_client/discovery.py, kvbm_client/bus.py) ----
     Option("etcd_endpoints", "ETCD_ENDPOINTS", str, None,
            "etcd endpoints, comma-separated (http://127.0.0.1:2379): register leaders and workers, "
@@ -189,6 +200,10 @@ class KvbmConfig:
     session_ttl_secs: float = 10.0
     max_hashes: int = 65536
     host_free_watermark: float = 0.05
+    cost_aware_loads: bool = True
+    prefill_tokens_per_s: float = 0.0
+    host_load_gbps: float = 20.0
+    disk_load_gbps: float = 2.0
     etcd_endpoints: str | None = None
     nats_server: str | None = None
     node_name: str | None = None
@@ -292,6 +307,11 @@ class KvbmConfig:
                      "disk_io_timeout_secs"):
             if not getattr(self, name) > 0:
                 raise KvbmConfigError(f"{_BY_FIELD[name].env} must be positive, got {getattr(self, name)}")
+        for name in ("host_load_gbps", "disk_load_gbps"):
+            if not 0 < getattr(self, name) < math.inf:
+                raise KvbmConfigError(f"{_BY_FIELD[name].env} must be a finite number > 0")
+        if not 0 <= self.prefill_tokens_per_s < math.inf:
+            raise KvbmConfigError("DYN_KVBM_PREFILL_TOKENS_PER_S must be a finite number >= 0")
         if not 0 <= self.host_free_watermark < 1:
             raise KvbmConfigError("DYN_KVBM_HOST_FREE_WATERMARK must be in [0, 1)")
         if self.session_ttl_secs > self.max_session_ttl_secs:

@@ -27,6 +27,8 @@ class TransferHandle:
     deadline: float = 0.0
     signed: "pb.SignedPlan | None" = None
     tasks: "list[asyncio.Future[pb.TransferResponse]]" = field(default_factory=list)
+    #: LOAD: matched blocks after the planned ones left to recompute (cheaper than loading)
+    skipped_cost: int = 0
 
     @property
     def is_empty(self) -> bool:
@@ -53,8 +55,10 @@ def plan_handle(kind: PlanKind, signed: "pb.SignedPlan | None", n: int, indices:
 
 def load_handle(resp: "pb.PrepareLoadResponse") -> TransferHandle:
     """The handle of a leader's ``PrepareLoad`` answer."""
-    return plan_handle(PlanKind.LOAD, resp.plan if resp.HasField("plan") else None, resp.num_planned,
-                       tuple(range(resp.num_planned)))
+    handle = plan_handle(PlanKind.LOAD, resp.plan if resp.HasField("plan") else None, resp.num_planned,
+                         tuple(range(resp.num_planned)))
+    handle.skipped_cost = resp.num_skipped
+    return handle
 
 
 def store_handle(resp: "pb.PrepareStoreResponse") -> TransferHandle:

@@ -105,10 +105,12 @@ class LeaderSession:
 
     # ------------------------------------------------------------------ calls
     def prepare_load(self, hashes: Sequence[BlockHash], count_hit: bool = False,
-                     tokens_per_block: int = 0) -> TransferHandle:
-        """Plan and pin the longest stored prefix of ``hashes`` (``count_hit``: also count the lookup)."""
+                     tokens_per_block: int = 0, prefill_tokens_per_s: float = 0.0) -> TransferHandle:
+        """Plan and pin the longest stored prefix of ``hashes`` (``count_hit``: also count the
+        lookup; ``prefill_tokens_per_s`` > 0: only as far as loading beats recomputing)."""
         resp = self._call("PrepareLoad", pb.PrepareLoadRequest(hashes=list(hashes), count_hit=count_hit,
-                                                              tokens_per_block=tokens_per_block))
+                                                              tokens_per_block=tokens_per_block,
+                                                              prefill_tokens_per_s=prefill_tokens_per_s))
         return load_handle(resp)
 
     def prepare_store(self, hashes: Sequence[BlockHash]) -> TransferHandle:

@@ -35,6 +35,7 @@ class JobPlacement:
     promotions: list[HostDiskMove] = field(default_factory=list)
     skipped_present: int = 0
     skipped_full: int = 0
+    skipped_cost: int = 0  # LOAD: matched blocks after ``keys`` left to recompute (cheaper than loading)
     dropped: int = 0  # evicted without a copy elsewhere
 
     @property

@@ -38,6 +38,7 @@ from .events import KvEventFeed
 from .jobs import Job, JobState, JobTable, StartRefused
 from .membership import Membership
 from .metrics import LeaderMetrics
+from .onboard_cost import OnboardCosts
 from .placement import PlacementPolicy
 from .refusals import Refused, Why
 from .slicing import YIELD_SECONDS, run_sliced
@@ -97,13 +98,15 @@ class JobLedger:
     """See the module docstring."""
 
     def __init__(self, config: KvbmConfig, placement: PlacementPolicy, membership: Membership,
-                 metrics: LeaderMetrics, feed: KvEventFeed, signer: PlanSigner) -> None:
+                 metrics: LeaderMetrics, feed: KvEventFeed, signer: PlanSigner,
+                 costs: OnboardCosts | None = None) -> None:
         self.config = config
         self.placement = placement
         self.membership = membership
         self.metrics = metrics
         self.feed = feed
         self.signer = signer
+        self.costs = costs or OnboardCosts()
         self.jobs = JobTable()
 
     @property
@@ -146,9 +149,10 @@ class JobLedger:
 
     # ------------------------------------------------------------------ reports
     async def report(self, job_id: JobId, worker_id: WorkerId, ok: bool, error: str,
-                     bad: Sequence[tuple[Tier, SlotId]] = ()) -> JobState | None:
+                     bad: Sequence[tuple[Tier, SlotId]] = (), moved: tuple[int, float] = (0, 0.0)) -> JobState | None:
         """One worker's word on a job; settles the job once it is decided and fully reported.
-        None: late (already settled: expired, released or pools re-planned).
+        None: late (already settled: expired, released or pools re-planned). ``moved``: the
+        worker's bytes and seconds on its lane (a successful LOAD is a bandwidth sample).
 
         A STORE reported after its deadline fails: the engine may have taken back the blocks
         its copy read (its connector waits for a store until the deadline plus a margin, then
@@ -160,6 +164,8 @@ class JobLedger:
         job = self.jobs.report(job_id, worker_id, ok, error)
         if job is None:
             return None
+        if ok and not bad and job.placement.kind is PlanKind.LOAD:
+            self.costs.observe_load(job.placement.tiers, *moved)
         if bad:
             self._condemn(job, worker_id, bad)
         if not ok:

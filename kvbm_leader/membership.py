@@ -162,6 +162,11 @@ class Membership:
         """Bytes one logical block takes in the pools: every worker's slot, alignment included."""
         return sum(slot_bytes(lay.block_bytes) for w in self.members if (lay := self._layout(w)) is not None)
 
+    def shard_bytes(self) -> int:
+        """Bytes of the largest worker's shard of one block (workers copy their shards in
+        parallel, so the largest bounds a load's time); 0 before any layout."""
+        return max((lay.block_bytes for w in self.members if (lay := self._layout(w)) is not None), default=0)
+
     def replan(self) -> PoolSizes | None:
         """New pool sizes once every expected worker has a layout, else None."""
         if not self.all_attached or not self.members or self.waiting_for_layouts:

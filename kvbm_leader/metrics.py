@@ -27,6 +27,7 @@ COUNTERS = {
     "kvbm_offload_skipped_full": "Offload requests skipped: target pool full or not ready",
     "kvbm_evicted_blocks": "Blocks dropped from the cache by eviction",
     "kvbm_promoted_blocks": "Blocks copied back from disk to host after a disk hit",
+    "kvbm_onboard_skipped_blocks": "Matched blocks not loaded because recomputing them was expected to be faster",
     "kvbm_failed_jobs": "Transfer jobs rolled back (worker failure, timeout, release)",
     "kvbm_lost_blocks": "Blocks dropped because a worker's pools were lost",
     "kvbm_kv_events_published": "KV events published on NATS (kvbm.v1.events.<node>)",
@@ -43,7 +44,11 @@ GAUGES = {
     "kvbm_g3_index_bytes": "Bytes of the persistent G3 index: the leader's and the workers' files, WAL included",
 }
 
+#: Onboard decisions by reason (``kvbm_onboard_decisions{reason}``, :class:`~.onboard_cost.OnboardReason`).
+ONBOARD_REASONS = ("load", "partial", "recompute", "unchecked")
+
 PoolUsage = Callable[[], "dict[Tier, tuple[int, int, int]]"]
+Bandwidth = Callable[[], "dict[Tier, float]"]
 
 
 @dataclass
@@ -72,7 +77,9 @@ class LeaderMetrics(Collector):
     def __init__(self, pool_usage: PoolUsage | None = None) -> None:
         self.values: dict[str, float] = dict.fromkeys((*COUNTERS, *GAUGES), 0.0)
         self.hits = HitWindow()
+        self.onboard_decisions: dict[str, float] = dict.fromkeys(ONBOARD_REASONS, 0.0)
         self._pool_usage: PoolUsage = pool_usage or dict
+        self._bandwidth: Bandwidth = dict
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
         self._server: Any = None
@@ -80,8 +87,17 @@ class LeaderMetrics(Collector):
     def track_pools(self, pool_usage: PoolUsage) -> None:
         self._pool_usage = pool_usage
 
+    def track_bandwidth(self, bandwidth: Bandwidth) -> None:
+        """The source of the per-tier load bandwidth estimates (read at scrape time)."""
+        self._bandwidth = bandwidth
+
     def inc(self, name: str, amount: float = 1.0) -> None:
         self.values[name] += amount
+
+    def count_onboard(self, reason: str, skipped: int) -> None:
+        """One onboard decision (its reason) and the matched blocks it left to recompute."""
+        self.onboard_decisions[reason] += 1
+        self.values["kvbm_onboard_skipped_blocks"] += skipped
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         for name, doc in (*COUNTERS.items(), *GAUGES.items()):
@@ -99,6 +115,16 @@ class LeaderMetrics(Collector):
         yield cap
         yield used
         yield pinned
+        decisions = GaugeMetricFamily("kvbm_onboard_decisions", "Onboard decisions on a matched prefix, by reason "
+                                      "(load all, partial, recompute, unchecked: no estimate)", labels=["reason"])
+        for reason, count in self.onboard_decisions.items():
+            decisions.add_metric([reason], count)
+        yield decisions
+        bandwidth = GaugeMetricFamily("kvbm_load_bandwidth_bytes_per_second",
+                                      "Estimated load bandwidth per worker (prior until measured)", labels=["tier"])
+        for tier, rate in self._bandwidth().items():
+            bandwidth.add_metric([tier.label], rate)
+        yield bandwidth
 
     def serve(self, port: int, addr: str) -> None:
         self._server, _ = start_http_server(port, addr=addr, registry=self.registry)

@@ -8,6 +8,12 @@ milliseconds. Limits: a store that needs more slots than its tier has is refused
 client never evicts more than it stores. A request overtaken by a reset (a worker lost, pools
 re-planned) answers as if the pools were not ready; one whose session ended meanwhile is
 rolled back and refused. ``DYN_LOG=debug`` logs one line per offload and onboard decision.
+
+A load is cost-aware (:mod:`.onboard_cost`) when the client sends its prefill speed: the
+stepper pins the matched prefix, the decision keeps the head worth loading, the tail is
+unpinned before the plan is signed (so the client sees one answer, one round trip), and the
+tail's G3 blocks are promoted to G2 with the loaded ones (at most one promotion job in flight:
+a hit that finds one running promotes nothing, and the next hit on those blocks tries again).
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ from .events import KvEventFeed
 from .ledger import JobLedger, short
 from .membership import Membership
 from .metrics import LeaderMetrics
+from .onboard_cost import OnboardCosts, OnboardDecision, OnboardReason
 from .placement import PlacementPolicy
 from .rebalancer import Rebalancer
 from .refusals import Refused, Why
@@ -39,7 +46,8 @@ class RequestPlanner:
     """See the module docstring."""
 
     def __init__(self, placement: PlacementPolicy, membership: Membership, ledger: JobLedger,
-                 rebalancer: Rebalancer, sessions: SessionTable, feed: KvEventFeed, metrics: LeaderMetrics) -> None:
+                 rebalancer: Rebalancer, sessions: SessionTable, feed: KvEventFeed, metrics: LeaderMetrics,
+                 costs: OnboardCosts | None = None) -> None:
         self.placement = placement
         self.membership = membership
         self.ledger = ledger
@@ -47,6 +55,7 @@ class RequestPlanner:
         self.sessions = sessions
         self.feed = feed
         self.metrics = metrics
+        self.costs = costs or OnboardCosts()
 
     # ------------------------------------------------------------------ lookups
     async def match(self, keys: Sequence[BlockHash], count_hit: bool, tokens_per_block: int) -> MatchResult:
@@ -106,22 +115,46 @@ class RequestPlanner:
 
     # ------------------------------------------------------------------ load
     async def prepare_load(self, session: SessionId, keys: Sequence[BlockHash], count_hit: bool,
-                           tokens_per_block: int) -> Planned:
+                           tokens_per_block: int, prefill_tokens_per_s: float = 0.0) -> Planned:
         if not self.membership.ready:
             return JobPlacement(NO_JOB, PlanKind.LOAD), None
         stepper = LoadStepper(self.placement, self.ledger.jobs.next_id(), keys, count_hit)
         if not await run_sliced(stepper, self.placement):  # its pins went with the old pools
             return JobPlacement(NO_JOB, PlanKind.LOAD), None
         plan = stepper.plan
+        matched = MatchResult(len(plan.keys), tuple(plan.tiers))
+        decision = self.costs.decide(plan.tiers, self.membership.shard_bytes(), tokens_per_block,
+                                     prefill_tokens_per_s)
+        skipped = await self._trim(plan, decision.num_load)
+        if skipped is None:  # reset while the tail was unpinned: every pin went with the old pools
+            return JobPlacement(NO_JOB, PlanKind.LOAD), None
         await self._require_session(session, plan)
         if count_hit:  # the same prefix a match would find: count it without a second pass
-            self._count_lookup(len(keys), MatchResult(len(plan.keys), tuple(plan.tiers)), tokens_per_block)
+            self._count_lookup(len(keys), matched, tokens_per_block)
+        if matched.num_matched:
+            self.metrics.count_onboard(decision.reason.value, decision.num_skipped)
         signed = (await self.ledger.issue(plan, session))[1] if plan.keys else None
+        promote = [k for k, t in zip(plan.keys, plan.tiers) if t is Tier.DISK] + skipped
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("onboard decision job=%d: load %d/%d [%s] from %s", plan.job_id, len(plan.keys), len(keys),
-                      short(plan.keys), ",".join(sorted({t.label for t in set(plan.tiers)})) or "-")
-        self.rebalancer.maybe_promote([k for k, t in zip(plan.keys, plan.tiers) if t is Tier.DISK])
+            log.debug("onboard decision job=%d: load %d/%d [%s] from %s; %s, promote %d", plan.job_id,
+                      len(plan.keys), len(keys), short(plan.keys),
+                      ",".join(sorted({t.label for t in set(plan.tiers)})) or "-",
+                      _cost_text(decision, matched, tokens_per_block, prefill_tokens_per_s), len(promote))
+        self.rebalancer.maybe_promote(promote)
         return plan, signed
+
+    async def _trim(self, plan: JobPlacement, num_load: int) -> list[BlockHash] | None:
+        """Keep the first ``num_load`` entries of a pinned load and unpin the rest (returned:
+        their G3 blocks, to promote). None: the placement was reset meanwhile."""
+        if num_load >= len(plan.keys):
+            return []
+        tail = JobPlacement(plan.job_id, PlanKind.LOAD, plan.keys[num_load:], plan.tiers[num_load:],
+                            plan.slots[num_load:])
+        if not await run_sliced(CompletionStepper(self.placement, tail, False), self.placement):
+            return None
+        del plan.keys[num_load:], plan.tiers[num_load:], plan.slots[num_load:]
+        plan.skipped_cost = len(tail.keys)
+        return [k for k, t in zip(tail.keys, tail.tiers) if t is Tier.DISK]
 
     async def _require_session(self, session: SessionId, plan: JobPlacement) -> None:
         """The session may have ended while the request was planned in slices: then nobody
@@ -131,3 +164,14 @@ class RequestPlanner:
         await run_sliced(CompletionStepper(self.placement, plan, False), self.placement)
         self.feed.flush(self.placement.registry)
         raise Refused(Why.UNKNOWN, f"unknown or expired session {session!r}; open a new one")
+
+
+def _cost_text(d: OnboardDecision, matched: MatchResult, tokens_per_block: int, prefill: float) -> str:
+    """The estimates behind an onboard decision, for its debug line."""
+    if d.reason is OnboardReason.UNCHECKED:
+        return "no cost check"
+    host = sum(1 for t in matched.tiers if t is Tier.HOST)
+    return (f"{d.reason.value}: matched {d.num_matched} blocks ({host} G2, {d.num_matched - host} G3, "
+            f"{d.num_matched * tokens_per_block} tokens), load {d.load_s * 1e3:.2f} ms "
+            f"(all {d.load_all_s * 1e3:.2f} ms) vs recompute {d.recompute_s * 1e3:.2f} ms at {prefill:.0f} tok/s, "
+            f"skip {d.num_skipped}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Coroutine, Sequence
 
 from kvbm_client.config import KvbmConfig
@@ -26,6 +27,7 @@ from .jobs import Job
 from .ledger import JobLedger
 from .membership import Membership
 from .metrics import LeaderMetrics
+from .onboard_cost import OnboardCosts
 from .placement import PlacementPolicy
 
 log = logging.getLogger("kvbm.leader")
@@ -36,7 +38,7 @@ class Rebalancer:
 
     def __init__(self, config: KvbmConfig, placement: PlacementPolicy, membership: Membership,
                  ledger: JobLedger, commands: CommandTransport, node_key: NodeKey,
-                 metrics: LeaderMetrics, feed: KvEventFeed) -> None:
+                 metrics: LeaderMetrics, feed: KvEventFeed, costs: OnboardCosts | None = None) -> None:
         self.config = config
         self.placement = placement
         self.membership = membership
@@ -45,6 +47,7 @@ class Rebalancer:
         self.node_key = node_key
         self.metrics = metrics
         self.feed = feed
+        self.costs = costs or OnboardCosts()
         self._in_flight: set[PlanKind] = set()  # DEMOTE and/or PROMOTE
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -109,8 +112,12 @@ class Rebalancer:
         record = self.membership.workers.get(worker_id)
         if record is None:
             return
+        sent = time.perf_counter()
         ack = await self.commands.send(record, pb.CommandRequest(plan=signed), self.config.job_timeout_secs,
                                        self._check(worker_id, job.job_id))
+        promoted = len(job.placement.promotions) if job.placement.kind is PlanKind.PROMOTE else 0
+        if ack.ok and promoted and record.layout is not None:  # a G3 read sample (see onboard_cost.py)
+            self.costs.observe_promotion(promoted * record.layout.block_bytes, time.perf_counter() - sent)
         if ack.forged:
             log.error("command job=%d: %d acknowledgements over %s not signed by worker %s; ignored",
                       job.job_id, ack.forged, self.commands.name, worker_id)

@@ -27,6 +27,7 @@ from .g3_index import G3Index
 from .ledger import JobLedger, PlanSigner
 from .membership import Membership
 from .metrics import LeaderMetrics
+from .onboard_cost import OnboardCosts
 from .placement import PlacementPolicy
 from .planner import RequestPlanner
 from .policies.frequency import FrequencyFilter
@@ -71,15 +72,19 @@ class LeaderService:
             if config.disk_persist and config.disk_enabled else None
         self.placement = PlacementPolicy({}, self.frequency, self.g3_index)
         self.metrics.track_pools(self.placement.usage)
+        #: load bandwidth per tier, learned from the jobs (see onboard_cost.py)
+        self.costs = OnboardCosts(config.host_load_gbps * 1e9, config.disk_load_gbps * 1e9)
+        self.metrics.track_bandwidth(self.costs.rates)
         self.sessions = SessionTable(SessionLimits(config.session_ttl_secs, config.max_session_ttl_secs,
                                                    config.max_sessions, config.max_name_bytes))
         self.feed = KvEventFeed(events or NullEvents())
         signer = PlanSigner(self.leader_id, node_key.plan_key(self.leader_id))  # workers derive the same key
-        self.ledger = JobLedger(config, self.placement, self.membership, self.metrics, self.feed, signer)
+        self.ledger = JobLedger(config, self.placement, self.membership, self.metrics, self.feed, signer,
+                                self.costs)
         self.rebalancer = Rebalancer(config, self.placement, self.membership, self.ledger, commands, node_key,
-                                     self.metrics, self.feed)
+                                     self.metrics, self.feed, self.costs)
         self.planner = RequestPlanner(self.placement, self.membership, self.ledger, self.rebalancer,
-                                      self.sessions, self.feed, self.metrics)
+                                      self.sessions, self.feed, self.metrics, self.costs)
         self.restorer = G3Restorer(self.g3_index, self.placement, self.membership, self.feed, self.metrics) \
             if self.g3_index is not None else None
         self.fleet = WorkerFleet(config, self.leader_id, self.membership, self.placement, self.ledger,

@@ -136,10 +136,11 @@ class LeaderServicer:
             session = self._session(request.session_id)
             keys = self._hashes(request.hashes)
             plan, signed = await self.service.planner.prepare_load(session, keys, request.count_hit,
-                                                                   request.tokens_per_block)
+                                                                   request.tokens_per_block,
+                                                                   request.prefill_tokens_per_s)
         except Refused as refusal:
             await _abort(context, refusal)
-        resp = pb.PrepareLoadResponse(num_planned=len(plan.keys))
+        resp = pb.PrepareLoadResponse(num_planned=len(plan.keys), num_skipped=plan.skipped_cost)
         if signed is not None:
             resp.plan.CopyFrom(signed)
         return resp
@@ -200,7 +201,7 @@ class LeaderServicer:
         bad = [(Tier.DISK, SlotId(s)) for s in request.bad_disk_slots] + \
               [(Tier.HOST, SlotId(s)) for s in request.bad_host_slots]
         state = await self.service.ledger.report(JobId(request.job_id), record.worker_id, request.ok,
-                                                 request.error, bad)
+                                                 request.error, bad, (request.bytes, request.seconds))
         return pb.CompleteTransferResponse(committed=state is JobState.CONFIRMED,
                                            accepted=state in (JobState.CONFIRMED, JobState.PENDING))
 

@@ -35,7 +35,7 @@ class FakeLeader:
         signed = pb.SignedPlan(plan=f"plan-{job}".encode(), signature=b"sig")
         return TransferHandle(kind, JobId(job), len(indices), tuple(indices), deadline=self.deadline, signed=signed)
 
-    def prepare_load(self, hashes, count_hit=False, tokens_per_block=0):
+    def prepare_load(self, hashes, count_hit=False, tokens_per_block=0, prefill_tokens_per_s=0.0):
         self.calls.append(("prepare_load", list(hashes)))
         if self.down:
             return None

@@ -25,11 +25,12 @@ class FakeLeader:
         self.stored = stored
         self.calls: list[tuple] = []
 
-    def prepare_load(self, hashes, count_hit=False, tokens_per_block=0):
+    def prepare_load(self, hashes, count_hit=False, tokens_per_block=0, prefill_tokens_per_s=0.0):
         self.calls.append(("prepare_load", (hashes,)))
         n = min(self.stored, len(hashes))
         signed = SimpleNamespace(plan=b"plan", signature=b"sig")
-        return SimpleNamespace(num_blocks=n, is_empty=n == 0, signed=signed if n else None, deadline=0.0)
+        return SimpleNamespace(num_blocks=n, is_empty=n == 0, signed=signed if n else None, deadline=0.0,
+                               skipped_cost=0)
 
     def prepare_store(self, hashes):
         self.calls.append(("prepare_store", (hashes,)))

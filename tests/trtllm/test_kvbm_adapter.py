@@ -173,11 +173,11 @@ class FakeLeader:
         self.loads: list[int] = []  # blocks asked for, per PrepareLoad
         self.stores: list[int] = []  # blocks offered, per PrepareStore
 
-    def prepare_load(self, hashes, count_hit=False, tokens_per_block=0):
+    def prepare_load(self, hashes, count_hit=False, tokens_per_block=0, prefill_tokens_per_s=0.0):
         self.loads.append(len(hashes))
         n = min(self.stored, len(hashes))
         return SimpleNamespace(num_blocks=n, is_empty=n == 0, deadline=time.monotonic() + 30,
-                               signed=SimpleNamespace(plan=b"p", signature=b"s"))
+                               signed=SimpleNamespace(plan=b"p", signature=b"s"), skipped_cost=0)
 
     def prepare_store(self, hashes):
         self.stores.append(len(hashes))

@@ -12,7 +12,8 @@ Scheduler side (one per engine, on its scheduler thread)::
     tokens, asynchronous = core.lookup(request, num_computed_tokens)   # match + pin
     core.allocated(req_id, block_ids, num_external_tokens)             # plan the load
     core.assign_blocks(req_id, new_block_ids, replace=False)           # block table grew
-    plan = core.step({req_id: tokens_computed}, preempted=[...])       # stores, fence
+    plan = core.step({req_id: tokens_computed}, preempted=[...], num_tokens=n)  # stores, fence
+    core.step_done()                                                   # its output came back (prefill meter)
     keep_blocks = core.finished(req_id)                                # delay the frees?
 
 Worker side (one per GPU / rank)::

@@ -23,7 +23,7 @@ class LeaderPort(Protocol):
     """What the scheduler core asks of the leader. None: the leader is not reachable now."""
 
     def prepare_load(self, hashes: Sequence[BlockHash], count_hit: bool = False,
-                     tokens_per_block: int = 0) -> TransferHandle | None: ...
+                     tokens_per_block: int = 0, prefill_tokens_per_s: float = 0.0) -> TransferHandle | None: ...
 
     def prepare_store(self, hashes: Sequence[BlockHash]) -> TransferHandle | None: ...
 
@@ -46,12 +46,13 @@ class LeaderLink:
         self._backoff = Backoff(settings.retry_s)
 
     def prepare_load(self, hashes: Sequence[BlockHash], count_hit: bool = False,
-                     tokens_per_block: int = 0) -> TransferHandle | None:
+                     tokens_per_block: int = 0, prefill_tokens_per_s: float = 0.0) -> TransferHandle | None:
         session = self._connected()
         if session is None:
             return None
         try:
-            return session.prepare_load(hashes, count_hit=count_hit, tokens_per_block=tokens_per_block)
+            return session.prepare_load(hashes, count_hit=count_hit, tokens_per_block=tokens_per_block,
+                                        prefill_tokens_per_s=prefill_tokens_per_s)
         except KvbmError as exc:
             self._failed("prepare_load", exc)
             return None

@@ -41,6 +41,7 @@ from ...hashing import BlockIdentity, RequestExtras
 from ...ids import BlockHash, EngineBlockId
 from .early_loads import EarlyLoads
 from .leader_link import LeaderPort
+from .prefill import PrefillMeter
 from .settings import ConnectorSettings
 from .specs import LoadSpec, RequestId, StepPlan, StoreSpec
 from .tracing import trace, tracing
@@ -109,6 +110,8 @@ class SchedulerCore:
         self._reqs: dict[RequestId, RequestState] = {}
         self._loads: list[LoadSpec] = []
         self._delayed: list[RequestId] = []
+        #: the engine's prefill speed, sent with each lookup (see :mod:`.prefill`)
+        self.prefill = PrefillMeter(settings.prefill_tokens_per_s)
 
     # ------------------------------------------------------------------ requests
     def request(self, req_id: str) -> EngineRequest | None:
@@ -148,11 +151,16 @@ class SchedulerCore:
         last = min(len(keys), (num_tokens - 1) // self.block_size)
         if first >= last or state.load_sent:
             return 0, False
-        handle = self._leader.prepare_load(keys[first:last], count_hit=True, tokens_per_block=self.block_size)
+        rate = self.prefill.tokens_per_s if self.settings.cost_aware_loads else 0.0
+        handle = self._leader.prepare_load(keys[first:last], count_hit=True, tokens_per_block=self.block_size,
+                                           prefill_tokens_per_s=rate)
         if tracing():
             trace("prepare_load", req=request.request_id, asked=last - first,
                   planned=handle.num_blocks if handle is not None else 0,
                   ms=round((time.perf_counter() - t1) * 1e3, 2), hash_ms=round((t1 - t0) * 1e3, 3))
+        if handle is not None and handle.skipped_cost:
+            log.debug("kvbm %s: %d matched blocks recomputed, not loaded (faster at %.0f prefill tokens/s)",
+                      request.request_id, handle.skipped_cost, rate)
         if handle is None or handle.is_empty:
             if handle is not None:
                 state.miss_at = (num_computed_tokens, num_tokens)
@@ -218,10 +226,13 @@ class SchedulerCore:
         else:
             state.block_ids.extend(ids)
 
-    def step(self, computed: Mapping[str, int], preempted: Iterable[str] = ()) -> StepPlan:
+    def step(self, computed: Mapping[str, int], preempted: Iterable[str] = (), num_tokens: int = 0) -> StepPlan:
         """Close a step: ``computed`` maps each request of the step to its tokens whose KV is
         written once the step's forward ran; ``preempted`` lists the requests whose blocks the
-        engine took back."""
+        engine took back; ``num_tokens``: the step's scheduled tokens, for the prefill meter
+        (an adapter that reports step ends, :meth:`step_done`, passes it)."""
+        if num_tokens:
+            self.prefill.scheduled(num_tokens, time.monotonic())
         plan = StepPlan(loads=self._loads, delayed_frees=self._delayed)
         self._loads, self._delayed = [], []
         plan.fence = any(s.has_stores for s in map(self._reqs.get, map(RequestId, preempted)) if s is not None)
@@ -263,6 +274,10 @@ class SchedulerCore:
             self._reqs[req_id].has_stores = True
         return [StoreSpec(handle.signed.plan, handle.signed.signature, [blocks[i] for i in handle.indices], picked,
                           deadline=handle.deadline)]
+
+    def step_done(self) -> None:
+        """The oldest scheduled step's output came back (vLLM ``update_connector_output``)."""
+        self.prefill.finished(time.monotonic())
 
     # ------------------------------------------------------------------ 4. end
     def finished(self, req_id: str) -> bool:

@@ -49,6 +49,11 @@ class ConnectorSettings:
     #: what both sides of one engine share (vLLM: ``kv_transfer_config.engine_id``): the
     #: scheduler side finds the region ids of its worker side under it (:mod:`.region_ids`)
     engine_id: str = ""
+    #: send the engine's prefill speed with each lookup, so the leader loads a hit only as far
+    #: as loading beats recomputing it (kvbm_leader/onboard_cost.py); false: load every hit
+    cost_aware_loads: bool = True
+    #: the prefill speed assumed until a step was measured (tokens/s; 0: unknown, load every hit)
+    prefill_tokens_per_s: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "load_mode", _load_mode(self.load_mode))
@@ -70,7 +75,9 @@ class ConnectorSettings:
                    timeout_s=float(extra.get("timeout_s", 2.0)), retry_s=float(extra.get("retry_s", 2.0)),
                    ready_timeout_s=float(extra.get("ready_timeout_s", 120.0)),
                    load_mode=resolve_load_mode(extra.get("load_mode", LoadMode.AUTO.value), auto_load_mode),
-                   early_loads=_flag("early_loads", extra.get("early_loads", True)))
+                   early_loads=_flag("early_loads", extra.get("early_loads", True)),
+                   cost_aware_loads=_flag("cost_aware_loads", extra.get("cost_aware_loads", cfg.cost_aware_loads)),
+                   prefill_tokens_per_s=float(extra.get("prefill_tokens_per_s", cfg.prefill_tokens_per_s)))
 
     @property
     def sync_loads(self) -> bool:

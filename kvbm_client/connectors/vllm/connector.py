@@ -185,6 +185,11 @@ class KvbmConnector(KVConnectorBase_V1, SupportsHMA):
             return KvbmConnectorMetadata()
         return self._scheduler_role.build_connector_meta(scheduler_output)
 
+    def update_connector_output(self, connector_output) -> None:
+        super().update_connector_output(connector_output)
+        if self._enabled:
+            self._scheduler_role.update_connector_output(connector_output)
+
     def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
         if not self._enabled:
             return False, None

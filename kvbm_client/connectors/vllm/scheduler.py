@@ -101,8 +101,13 @@ class KvbmConnectorScheduler:
             request = self.core.request(req_id)
             if request is not None:
                 computed[req_id] = request.num_computed_tokens + num_new  # type: ignore[attr-defined]
-        plan = self.core.step(computed, getattr(so, "preempted_req_ids", None) or ())
+        plan = self.core.step(computed, getattr(so, "preempted_req_ids", None) or (),
+                              num_tokens=int(getattr(so, "total_num_scheduled_tokens", 0) or 0))
         return KvbmConnectorMetadata.of(plan)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """A step's output came back: the end of its time for the prefill meter."""
+        self.core.step_done()
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         # True: keep the blocks until the worker role confirms its stores read them.

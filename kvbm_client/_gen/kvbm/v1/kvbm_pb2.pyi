@@ -212,24 +212,28 @@ class PrepareStoreResponse(_message.Message):
     def __init__(self, plan: _Optional[_Union[SignedPlan, _Mapping]] = ..., indices: _Optional[_Iterable[int]] = ..., skipped_present: _Optional[int] = ..., skipped_full: _Optional[int] = ...) -> None: ...
 
 class PrepareLoadRequest(_message.Message):
-    __slots__ = ("session_id", "hashes", "count_hit", "tokens_per_block")
+    __slots__ = ("session_id", "hashes", "count_hit", "tokens_per_block", "prefill_tokens_per_s")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
     COUNT_HIT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     hashes: _containers.RepeatedScalarFieldContainer[bytes]
     count_hit: bool
     tokens_per_block: int
-    def __init__(self, session_id: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., count_hit: _Optional[bool] = ..., tokens_per_block: _Optional[int] = ...) -> None: ...
+    prefill_tokens_per_s: float
+    def __init__(self, session_id: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., count_hit: _Optional[bool] = ..., tokens_per_block: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ...) -> None: ...
 
 class PrepareLoadResponse(_message.Message):
-    __slots__ = ("plan", "num_planned")
+    __slots__ = ("plan", "num_planned", "num_skipped")
     PLAN_FIELD_NUMBER: _ClassVar[int]
     NUM_PLANNED_FIELD_NUMBER: _ClassVar[int]
+    NUM_SKIPPED_FIELD_NUMBER: _ClassVar[int]
     plan: SignedPlan
     num_planned: int
-    def __init__(self, plan: _Optional[_Union[SignedPlan, _Mapping]] = ..., num_planned: _Optional[int] = ...) -> None: ...
+    num_skipped: int
+    def __init__(self, plan: _Optional[_Union[SignedPlan, _Mapping]] = ..., num_planned: _Optional[int] = ..., num_skipped: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id", "job_id")
