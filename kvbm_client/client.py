@@ -171,10 +171,17 @@ class AsyncKvbmClient:
         self._session.workers = {WorkerId(w.worker_id): w for w in status.workers}
 
     async def wait_ready(self, timeout: float = 30.0) -> None:
-        """Wait until every worker of the node has allocated its pools."""
+        """Wait until every worker of the node has allocated its pools; a leader that does not
+        answer yet (starting, restarting) is waited for too, within ``timeout``."""
         end = time.monotonic() + timeout
         while True:
-            resp = await self._leader_call("KeepAlive", pb.KeepAliveRequest())
+            try:
+                resp = await self._leader_call("KeepAlive", pb.KeepAliveRequest())
+            except KvbmUnavailableError as exc:
+                if time.monotonic() > end:
+                    raise KvbmTimeoutError(f"kvbm not ready after {timeout:g}s: {exc}") from exc
+                await asyncio.sleep(0.1)
+                continue
             if resp.ready:
                 await self.refresh_workers()
                 return

@@ -34,6 +34,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from ...logs import attach_engine_logging
 from ..core.early_loads import EarlyLoads
 from ..core.leader_link import LeaderLink, LeaderPort
 from ..core.scheduler import EngineRequest, SchedulerCore
@@ -76,6 +77,7 @@ class KvbmConnectorScheduler(KvCacheConnectorScheduler):
 
     def __init__(self, llm_args: Any, leader: LeaderPort | None = None) -> None:
         super().__init__(llm_args)
+        attach_engine_logging()
         settings = trtllm_settings(llm_args)
         for warning in config_warnings(llm_args):
             log.warning("kvbm: %s", warning)

@@ -28,6 +28,7 @@ import logging
 import os
 from typing import Any, Callable, Iterable
 
+from ...logs import attach_engine_logging
 from ...errors import KvbmTransferError
 from ...ids import WorkerId
 from ..core.specs import RequestId, StepPlan
@@ -86,6 +87,7 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):
 
     def __init__(self, llm_args: Any, core: WorkerCore | None = None) -> None:
         super().__init__(llm_args)
+        attach_engine_logging()
         settings = trtllm_settings(llm_args)
         self.rank = settings.rank
         self.core = core or WorkerCore(WorkerId(settings.worker_id), settings.core)

@@ -22,6 +22,7 @@ except ImportError:  # pragma: no cover - older vLLM
         """Stands in where vLLM has no hybrid KV cache manager."""
 
 from ...ids import EngineBlockId
+from ...logs import attach_engine_logging
 from ..core.settings import ConnectorSettings, LoadMode, worker_ids
 from . import compat
 from .metadata import KvbmConnectorMetadata
@@ -43,6 +44,7 @@ class KvbmConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        attach_engine_logging()
         compat.check_version()
         ktc = vllm_config.kv_transfer_config
         extra = dict(getattr(ktc, "kv_connector_extra_config", None) or {})
