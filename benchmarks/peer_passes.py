@@ -100,7 +100,8 @@ def _ms(v: float | None) -> str:
 
 def summary_line(s: dict) -> str:
     """One printed line: medians, each pass's value, and the verdict."""
-    verdict = {None: "one pass", True: "reproduced"}.get(s["reproduced"], "DID NOT REPRODUCE: " + "; ".join(s["why_not"]))
+    verdict = {None: "one pass", True: "reproduced"}.get(s["reproduced"],
+                                                         "DID NOT REPRODUCE: " + "; ".join(s["why_not"]))
     per = " ".join(f"{_ms(a)}/{_ms(b)}" for a, b in zip(s["warm_ttft_p50_passes"], s["warm_ttft_p90_passes"]))
     return (f"{s['summary']:<12} p50 {_ms(s['warm_ttft_p50_median']):>7}  p90 {_ms(s['warm_ttft_p90_median']):>7} ms"
             f"  (median of passes; p50/p90 per pass: {per})  {verdict}")

@@ -277,8 +277,9 @@ def main(argv=None, run_one=None):
 
     # one provenance line per harness run (commit, argv, machine with its GPUs); ttft_breakdown.py
     # reads the lines with "rows" and the summaries
-    from provenance import provenance
-    write({"provenance": provenance(argv), "mode": mode(args), "passes": args.passes})
+    if args.out:
+        from provenance import provenance
+        write({"provenance": provenance(argv), "mode": mode(args), "passes": args.passes})
 
     def one(name, pass_index):
         res = run_one(name, pass_index) if run_one else run_engine(name, pass_index, args)
