@@ -1,10 +1,16 @@
 """Where a warm request's TTFT goes with kvbm, from one harness run (``vllm_peers.py`` JSONL) and
 the connector's trace of the same run (``KVBM_CONNECTOR_TRACE``); plus the peers' table.
 
-    python3 benchmarks/ttft_breakdown.py RESULTS.jsonl TRACE.jsonl [--systems ours,ours_async]
+    python3 benchmarks/ttft_breakdown.py RESULTS.jsonl TRACE.jsonl [--systems ours,ours_async] [--pass N]
 
-Each system ran in its own engine process; the trace's processes are taken in the order the
-systems ran. Per warm request (round > 0), from the row's start time ``t0``:
+Passes (``vllm_peers.py --passes N``): by default every pass is used; the table gives per system
+the median over the passes of each pass's warm p50 / p90 (each pass's p50 beside it, and whether
+the passes reproduced), and the breakdown pools the warm requests of all passes. ``--pass N``:
+that pass alone. A file from before passes is one pass (pass 0).
+
+Each engine ran in its own process: the trace's process of a run is the one with the most events
+within the run's requests (their ``t0`` to the last one's end). Per warm request (round > 0), from
+the row's start time ``t0``:
   front      t0 -> the scheduler role asks the leader (vLLM front end, request hashing, queue)
   lookup     PrepareLoad round trip (match + count + pin at the leader)
   to_copy    PrepareLoad answered -> the copy is sent to the worker daemon (vLLM allocation; with
@@ -24,18 +30,39 @@ import argparse
 import json
 import statistics
 
+from peer_passes import slots, summarize, summary_line
+
 FIELDS = ("ttft", "front", "lookup", "to_copy", "head_start", "wait", "after_load", "ret", "store_prep", "copy",
           "blocks")
 
 
-def load_rows(path: str) -> dict[str, dict]:
-    out = {}
+def load_runs(path: str, pass_index: int | None = None) -> list[dict]:
+    """The engine runs of a result file, each with its ``pass`` (0 in a file from before passes)
+    and ``slot`` (``ours#2`` for the second ``ours`` of a pass); only pass ``pass_index`` where
+    given. A failed run has no ``"rows"`` (and counts as a failed pass)."""
+    runs: list[dict] = []
     with open(path) as f:
         for line in f:
             d = json.loads(line)
-            if "rows" in d:
-                out[d["system"]] = d
-    return out
+            if "system" in d and "summary" not in d:
+                d.setdefault("pass", 0)
+                runs.append(d)
+    for p in {r["pass"] for r in runs}:  # slot labels of a file written before they were recorded
+        mine = [r for r in runs if r["pass"] == p]
+        for r, label in zip(mine, slots([r["system"] for r in mine])):
+            r.setdefault("slot", label)
+    return [r for r in runs if pass_index is None or r["pass"] == pass_index]
+
+
+def trace_pid(run: dict, events: list[dict]) -> int | None:
+    """The process of ``events`` that traced ``run``: the most events within its requests."""
+    t0 = min(r["t0"] for r in run["rows"])
+    t1 = max(r["t0"] + r["ttft_s"] for r in run["rows"]) + 0.002
+    counts: dict[int, int] = {}
+    for e in events:
+        if t0 <= e["t"] <= t1:
+            counts[e["pid"]] = counts.get(e["pid"], 0) + 1
+    return max(counts, key=lambda pid: counts[pid]) if counts else None
 
 
 def breakdown(rows: list[dict], events: list[dict]) -> list[dict]:
@@ -61,32 +88,53 @@ def breakdown(rows: list[dict], events: list[dict]) -> list[dict]:
     return out
 
 
+def table(runs: list[dict]) -> None:
+    """Per slot: the median over its passes of the warm p50 / p90 (one pass: that pass's)."""
+    sums = summarize(runs)
+    several = any(len(s["passes"]) > 1 for s in sums)
+    print(f"{'system':<11} {'p50 ms':>7} {'p90 ms':>7} {'from cache':>10}  ratio to the best peer"
+          + ("  (medians over the passes)" if several else ""))
+    peers = [s for s in sums if s["system"] not in ("baseline", "recompute") and not s["system"].startswith("ours")]
+    best = min((s["warm_ttft_p50_median"] for s in peers if s["warm_ttft_p50_median"] is not None), default=None)
+    for s in sums:
+        if s["warm_ttft_p50_median"] is None:
+            print(f"{s['summary']:<11} failed in every pass")
+            continue
+        cached = statistics.median(r["warm_cached_frac"] for r in runs if r["slot"] == s["summary"] and "rows" in r)
+        ratio = f"{s['warm_ttft_p50_median'] / best:.2f}x" if best else "-"
+        print(f"{s['summary']:<11} {s['warm_ttft_p50_median'] * 1e3:7.1f} {s['warm_ttft_p90_median'] * 1e3:7.1f} "
+              f"{cached * 100:9.1f}%  {ratio}")
+    if several:
+        print("\nper pass:")
+        for s in sums:
+            print(summary_line(s))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("results")
     ap.add_argument("trace")
-    ap.add_argument("--systems", default="ours,ours_async", help="traced systems, in the order they ran")
+    ap.add_argument("--systems", default="ours,ours_async", help="the traced systems to break down")
+    ap.add_argument("--pass", dest="pass_index", type=int, default=None,
+                    help="this pass alone (default: every pass, the breakdown pools their warm requests)")
     args = ap.parse_args()
-    results = load_rows(args.results)
-    print(f"{'system':<11} {'p50 ms':>7} {'p90 ms':>7} {'from cache':>10}  ratio to the best peer")
-    peers = {k: v for k, v in results.items() if k not in ("baseline", "recompute") and not k.startswith("ours")}
-    best = min(v["warm_ttft_p50"] for v in peers.values()) if peers else None
-    for name, d in results.items():
-        ratio = f"{d['warm_ttft_p50'] / best:.2f}x" if best else "-"
-        print(f"{name:<11} {d['warm_ttft_p50'] * 1e3:7.1f} {d['warm_ttft_p90'] * 1e3:7.1f} "
-              f"{d['warm_cached_frac'] * 100:9.1f}%  {ratio}")
+    runs = load_runs(args.results, args.pass_index)
+    if not [r for r in runs if "rows" in r]:
+        raise SystemExit(f"no engine run with rows in {args.results}"
+                         + (f" for pass {args.pass_index}" if args.pass_index is not None else ""))
+    table(runs)
     events = [json.loads(line) for line in open(args.trace)]
-    pids: list[int] = []
-    for e in events:
-        if e["pid"] not in pids:
-            pids.append(e["pid"])
-    for name, pid in zip(args.systems.split(","), pids):
-        if name not in results:
-            continue
-        parts = breakdown(results[name]["rows"], [e for e in events if e["pid"] == pid])
+    for name in args.systems.split(","):
+        parts: list[dict] = []
+        mine = [r for r in runs if r["slot"] == name and "rows" in r]
+        for run in mine:
+            pid = trace_pid(run, events)
+            if pid is not None:
+                parts += breakdown(run["rows"], [e for e in events if e["pid"] == pid])
         if not parts:
             continue
-        print(f"\n{name}: {len(parts)} warm requests (median / min / max, ms)")
+        over = f" over {len(mine)} passes" if len(mine) > 1 else ""
+        print(f"\n{name}: {len(parts)} warm requests{over} (median / min / max, ms)")
         for k in FIELDS:
             v = [p[k] for p in parts]
             print(f"  {k:<11} {statistics.median(v):7.1f} {min(v):7.1f} {max(v):7.1f}")

@@ -5,6 +5,19 @@
 #   benchmarks/vllm_gpu_ttft.sh OUT.jsonl baseline,native,lmcache,dynamo,ours [vllm_peers.py args...]
 # 20K workload: --users 5 --sys-len 0 --ctx-len 20000 --turn-len 128 --max-len 24576 --g1-gb 4
 # 8K workload:  (the harness defaults) --users 8 --sys-len 1024 --ctx-len 6144 --turn-len 256 --g1-gb 3
+# Benchmark hygiene (issue 13), vllm_peers.py flags passed through:
+#   --passes N     the systems run in order N times (A B C A B C ...), each engine started afresh per
+#                  pass; every line carries its "pass", and the run ends with one summary line per
+#                  system: the median over the passes of each pass's warm p50 / p90, each pass's value,
+#                  "reproduced": false (printed DID NOT REPRODUCE) where the passes differ by > 10 %.
+#                  The kvbm service below outlives the passes: "ours" gets a namespace per pass
+#                  (pass 0 unchanged), so each pass starts without the blocks of the one before.
+#   --cuda-graphs  vLLM's default compilation and CUDA graphs (enforce_eager off; PIECEWISE for Dynamo,
+#                  whose save_kv_layer hook does work); default eager. "mode" and the engine's resolved
+#                  "cudagraph_mode" are in every line. Compiling makes engines start slower: --timeout 600.
+#   --timeout S    seconds per engine (one system in one pass), default 300.
+# The first line of OUT records the commit, argv and machine (GPU names from nvidia-smi): on a copy
+# of the tree without .git, set KVBM_BENCH_COMMIT to the commit that was copied.
 # The kvbm service (leader + one `--gpu 0` worker, G2 = 24 GB) is started beside the engine and
 # outlives each engine process; the engine reaches it through the README's kv-transfer-config.
 # OURS_EXTRA: kv_connector_extra_config JSON for "ours" (default {}: load_mode auto, which is

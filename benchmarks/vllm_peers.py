@@ -1,11 +1,19 @@
-"""Side-by-side TTFT of KV-offloading systems on the real vLLM engine (GPU), one run.
+"""Side-by-side TTFT of KV-offloading systems on the real vLLM engine (GPU), in one harness run.
 
 Each system runs in its own process on the same workload: N users with a shared system prompt and a
 long private context, several rounds; G1 (the engine's KV cache) holds only a fraction of the working
 set, so between a user's turns its blocks are evicted from the GPU. TTFT of a request ~ latency of
 generate(max_tokens=1). Cold round 0 is reported apart from the warm rounds.
 
-  python3 vllm_peers.py --systems baseline,native,lmcache,dynamo,ours --out results.jsonl
+  python3 vllm_peers.py --systems baseline,native,lmcache,dynamo,ours --out results.jsonl [--passes 2] [--cuda-graphs]
+
+--passes N runs the systems in order N times (A B C A B C ...), a fresh engine each time, and ends
+with one summary per system: the median over the passes of each pass's warm p50 / p90, each pass's
+value, and "did not reproduce" where the passes differ by more than 10 % (``peer_passes.py``).
+Every result line carries its ``pass``; ``--passes 1`` (the default) is the single run of before.
+--cuda-graphs runs every engine with vLLM's default compilation and CUDA graphs instead of eager
+(``mode`` in every line; ``cudagraph_mode`` is what the engine resolved), PIECEWISE for a connector
+whose layer hooks do work (``LAYER_HOOKS``).
 
 (Copied from ../shared/tools/vllm_peers.py; additions: --max-tokens and the output token ids in
 each row, for the greedy-equality check; each row's start time, to line up with
@@ -17,6 +25,8 @@ threads' stacks into --logdir) and then SIGKILL, so no leftover EngineCore holds
 kv-transfer-config JSON that the README documents.
 """
 import argparse, json, os, statistics, subprocess, sys, time
+
+from peer_passes import run_passes, summarize, summary_line
 
 QWEN3_4B = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 2560,
@@ -42,8 +52,17 @@ def workload(users, rounds, sys_len, ctx_len, turn_len, seed=11):
     return out
 
 
-def system_kwargs(name, g2_gb):
-    """Engine kwargs and env for one system."""
+#: systems whose connector does work in vLLM's per-layer hooks (wait_for_layer_load / save_kv_layer)
+#: without declaring requires_piecewise_for_cudagraph (vLLM 0.26 then keeps FULL graphs, whose
+#: replays skip the hooks): under --cuda-graphs they get PIECEWISE graphs. Dynamo KVBM 1.6.1's
+#: save_kv_layer records a CUDA event per layer; kvbm's and the native connector's hooks are no-ops,
+#: and LMCache declares PIECEWISE itself when it is layerwise (not here).
+LAYER_HOOKS = ("dynamo",)
+SYSTEMS = ("recompute", "baseline", "native", "lmcache", "dynamo", "ours", "ours_async")
+
+
+def system_kwargs(name, g2_gb, pass_index=0):
+    """Engine kwargs and env for one system, in pass ``pass_index``."""
     env = {}
     kw = {}
     if name == "recompute":
@@ -69,19 +88,45 @@ def system_kwargs(name, g2_gb):
             # its own key namespace: the same service, but none of the "ours" run's blocks
             kw["kv_transfer_config"].setdefault("kv_connector_extra_config", {}).update(
                 load_mode="async", namespace="ours_async")
+        if pass_index > 0:
+            # the kvbm service outlives the passes: a namespace per pass, so that every pass starts
+            # without the blocks of the one before, like the peers' in-process caches
+            extra = kw["kv_transfer_config"].setdefault("kv_connector_extra_config", {})
+            extra["namespace"] = f"{extra.get('namespace') or name}_pass{pass_index}"
         env.update(DYN_KVBM_CPU_CACHE_GB=str(g2_gb))
     else:
         raise SystemExit(f"unknown system {name}")
     return kw, env
 
 
+def mode(args):
+    return "graphs" if args.cuda_graphs else "eager"
+
+
+def base_engine_kwargs(args):
+    """The engine kwargs every system shares: eager, or (--cuda-graphs) vLLM's default compilation
+    and CUDA graphs, PIECEWISE for a system in LAYER_HOOKS."""
+    base = dict(model=args.model, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
+                max_model_len=args.max_len, enforce_eager=not args.cuda_graphs, seed=0, max_num_seqs=8,
+                kv_cache_memory_bytes=int(args.g1_gb * (1 << 30)))
+    if args.cuda_graphs and args.system in LAYER_HOOKS:
+        base["compilation_config"] = {"cudagraph_mode": "PIECEWISE"}
+    return base
+
+
+def resolved_cudagraph_mode(llm):
+    """The CUDA graph mode the engine settled on (vLLM may override what was asked)."""
+    try:
+        return llm.llm_engine.vllm_config.compilation_config.cudagraph_mode.name
+    except AttributeError:
+        return None
+
+
 def engine(args):
     from vllm import LLM, SamplingParams
-    kw, _ = system_kwargs(args.system, args.g2_gb)
+    kw, _ = system_kwargs(args.system, args.g2_gb, args.pass_index)
     native = kw.pop("_native_size", None)
-    base = dict(model=args.model, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
-                max_model_len=args.max_len, enforce_eager=True, seed=0, max_num_seqs=8,
-                kv_cache_memory_bytes=int(args.g1_gb * (1 << 30)))
+    base = base_engine_kwargs(args)
     t0 = time.time()
     llm = None
     if native is not None:  # prefer the documented engine flags, fall back to the connector config
@@ -106,7 +151,8 @@ def engine(args):
     warm = [x["ttft_s"] for x in rows if x["round"] > 0]
     cold = [x["ttft_s"] for x in rows if x["round"] == 0]
     q = lambda v, p: sorted(v)[min(len(v) - 1, int(p * len(v)))]
-    print(json.dumps({"system": args.system, "how": how, "init_s": round(init_s, 1),
+    print(json.dumps({"system": args.system, "how": how, "init_s": round(init_s, 1), "mode": mode(args),
+                      "cudagraph_mode": resolved_cudagraph_mode(llm),
                       "warm_ttft_p50": round(statistics.median(warm), 4), "warm_ttft_p90": round(q(warm, 0.9), 4),
                       "warm_ttft_mean": round(statistics.mean(warm), 4),
                       "cold_ttft_mean": round(statistics.mean(cold), 4),
@@ -134,12 +180,13 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def main():
+def parse_args(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="/tmp/qwen3-4b-shape")
     ap.add_argument("--systems", default="recompute,baseline,native,lmcache,dynamo")
     ap.add_argument("--system")
     ap.add_argument("--engine", action="store_true")
+    ap.add_argument("--pass-index", type=int, default=0, help=argparse.SUPPRESS)  # set for --engine
     ap.add_argument("--users", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--sys-len", type=int, default=1024)
@@ -148,12 +195,71 @@ def main():
     ap.add_argument("--max-len", type=int, default=16384)
     ap.add_argument("--g1-gb", type=float, default=3.0)
     ap.add_argument("--g2-gb", type=float, default=24.0)
-    ap.add_argument("--timeout", type=int, default=300)
+    ap.add_argument("--timeout", type=int, default=300, help="seconds per engine (one system, one pass)")
     ap.add_argument("--max-tokens", type=int, default=1)
+    ap.add_argument("--passes", type=int, default=1,
+                    help="run the systems in order this many times (A B C A B C ...), a fresh engine each")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="vLLM's default compilation and CUDA graphs instead of enforce_eager")
     ap.add_argument("--out", default="")
     ap.add_argument("--logdir", default="", help="keep each engine's stderr here")
     ap.add_argument("--tiny", action="store_true", help="a tiny model, for a smoke test on a CPU build")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.passes < 1:
+        ap.error(f"--passes must be at least 1, not {args.passes}")
+    unknown = [n for n in ([args.system] if args.engine else args.systems.split(",")) if n not in SYSTEMS]
+    if unknown:  # before any engine ran, not after an hour of them
+        ap.error(f"unknown system(s) {unknown}: one of {', '.join(SYSTEMS)}")
+    return args
+
+
+def engine_cmd(name, pass_index, args):
+    """The command line of one engine process: system ``name`` in pass ``pass_index``."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--engine", "--system", name, "--pass-index", str(pass_index),
+           "--model", args.model, "--users", str(args.users), "--rounds", str(args.rounds),
+           "--sys-len", str(args.sys_len), "--ctx-len", str(args.ctx_len), "--turn-len", str(args.turn_len),
+           "--max-len", str(args.max_len), "--g1-gb", str(args.g1_gb), "--g2-gb", str(args.g2_gb),
+           "--max-tokens", str(args.max_tokens)]
+    return cmd + (["--cuda-graphs"] if args.cuda_graphs else [])
+
+
+def run_engine(name, pass_index, args):
+    """Run one system in its own engine process and return its result line (the seam that
+    ``peer_passes.run_passes`` calls; without ``"rows"`` where the engine failed)."""
+    _, env = system_kwargs(name, args.g2_gb, pass_index)
+    t = time.time()
+    p = subprocess.Popen(engine_cmd(name, pass_index, args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env={**os.environ, **env}, start_new_session=True)
+    try:
+        stdout, stderr = p.communicate(timeout=args.timeout)
+        lines = [l for l in stdout.splitlines() if l.startswith('{"system"')]
+        res = json.loads(lines[-1]) if lines else {"system": name, "error": (stderr or stdout)[-1500:]}
+    except subprocess.TimeoutExpired:
+        import signal
+        tree = [p.pid] + descendants(p.pid)  # vLLM's EngineCore may leave our process group
+        for sig in (signal.SIGABRT, signal.SIGKILL):  # stacks first (faulthandler), then sure
+            for pid in tree:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                pass
+            time.sleep(3)
+        stdout, stderr = p.communicate()
+        res = {"system": name, "error": f"timeout after {args.timeout}s: " + stderr[-800:]}
+    if args.logdir:
+        with open(os.path.join(args.logdir, f"{name}.stderr.log"), "a") as f:
+            f.write(f"===== pass {pass_index} =====\n{stderr}")
+    res["wall_s"] = round(time.time() - t, 1)
+    return res
+
+
+def main(argv=None, run_one=None):
+    """The harness; ``run_one(system, pass_index) -> result`` replaces the engine processes (tests)."""
+    args = parse_args(argv)
     if args.engine:
         return engine(args)
     os.makedirs(args.model, exist_ok=True)
@@ -163,48 +269,34 @@ def main():
                    num_key_value_heads=2, head_dim=64, vocab_size=152000)
     with open(os.path.join(args.model, "config.json"), "w") as f:
         json.dump(cfg, f)
-    if args.out:  # one provenance line per harness run; ttft_breakdown.py reads only the rows with "rows"
-        from provenance import header_line
-        with open(args.out, "a") as f:
-            f.write(header_line())
-    for name in args.systems.split(","):
-        _, env = system_kwargs(name, args.g2_gb)
-        cmd = [sys.executable, __file__, "--engine", "--system", name, "--model", args.model,
-               "--users", str(args.users), "--rounds", str(args.rounds), "--sys-len", str(args.sys_len),
-               "--ctx-len", str(args.ctx_len), "--turn-len", str(args.turn_len), "--max-len", str(args.max_len),
-               "--g1-gb", str(args.g1_gb), "--g2-gb", str(args.g2_gb), "--max-tokens", str(args.max_tokens)]
-        t = time.time()
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env={**os.environ, **env}, start_new_session=True)
-        try:
-            stdout, stderr = p.communicate(timeout=args.timeout)
-            lines = [l for l in stdout.splitlines() if l.startswith('{"system"')]
-            res = json.loads(lines[-1]) if lines else {"system": name, "error": (stderr or stdout)[-1500:]}
-        except subprocess.TimeoutExpired:
-            import signal
-            tree = [p.pid] + descendants(p.pid)  # vLLM's EngineCore may leave our process group
-            for sig in (signal.SIGABRT, signal.SIGKILL):  # stacks first (faulthandler), then sure
-                for pid in tree:
-                    try:
-                        os.kill(pid, sig)
-                    except ProcessLookupError:
-                        pass
-                try:
-                    os.killpg(p.pid, sig)
-                except ProcessLookupError:
-                    pass
-                time.sleep(3)
-            stdout, stderr = p.communicate()
-            res = {"system": name, "error": f"timeout after {args.timeout}s: " + stderr[-800:]}
-        if args.logdir:
-            with open(os.path.join(args.logdir, f"{name}.stderr.log"), "a") as f:
-                f.write(stderr)
-        res["wall_s"] = round(time.time() - t, 1)
-        summary = {k: v for k, v in res.items() if k != "rows"}
-        print(json.dumps(summary), flush=True)
+
+    def write(line):
         if args.out:
             with open(args.out, "a") as f:
-                f.write(json.dumps(res) + "\n")
+                f.write(json.dumps(line) + "\n")
+
+    # one provenance line per harness run (commit, argv, machine with its GPUs); ttft_breakdown.py
+    # reads the lines with "rows" and the summaries
+    if args.out:
+        from provenance import provenance
+        write({"provenance": provenance(argv), "mode": mode(args), "passes": args.passes})
+
+    def one(name, pass_index):
+        res = run_one(name, pass_index) if run_one else run_engine(name, pass_index, args)
+        res.setdefault("mode", mode(args))  # also on a failed engine's line
+        return res
+
+    def emit(res):
+        print(json.dumps({k: v for k, v in res.items() if k != "rows"}), flush=True)
+        write(res)
+
+    results = run_passes(args.systems.split(","), args.passes, one, emit)
+    if args.passes > 1:  # one pass: the lines above are the whole result, as before --passes
+        print(f"\nwarm TTFT over {args.passes} passes ({mode(args)}):", flush=True)
+        for s in summarize(results):
+            print(summary_line(s), flush=True)
+            write({**s, "mode": mode(args)})
+    return results
 
 
 if __name__ == "__main__":

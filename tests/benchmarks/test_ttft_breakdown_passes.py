@@ -1,0 +1,115 @@
+"""benchmarks/ttft_breakdown.py reads the harness's files with passes (and the files from before
+them): the table's medians over the passes, the trace's process of each run found by time, the
+breakdown pooled over the passes or of one pass (``--pass``)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+import ttft_breakdown  # noqa: E402
+
+
+def engine_run(system: str, pass_index: int | None, start: float, ttft: float) -> dict:
+    """A result line of one engine: 2 users x 2 rounds, every request ``ttft`` long, 1 s apart."""
+    rows = [{"round": r, "user": u, "tokens": 1000, "ttft_s": ttft, "t0": start + 2 * r + u, "cached": 990 * (r > 0),
+             "output": [7]} for r in range(2) for u in range(2)]
+    line = {"system": system, "warm_ttft_p50": ttft, "warm_ttft_p90": ttft, "warm_cached_frac": 0.99, "rows": rows}
+    if pass_index is not None:
+        line["pass"] = pass_index
+    return line
+
+
+def trace_of(run: dict, pid: int, wait_ms: float) -> list[dict]:
+    """The connector's events of one engine: per warm request a lookup, a load that waited
+    ``wait_ms``, the finish."""
+    events = []
+    for r in run["rows"]:
+        if r["round"] == 0:
+            continue
+        t0, t1 = r["t0"], r["t0"] + r["ttft_s"]
+        events += [{"what": "prepare_load", "pid": pid, "t": t0 + 0.004, "req": f"{t0}", "ms": 1.0},
+                   {"what": "load", "pid": pid, "t": t0 + 0.010 + wait_ms / 1e3, "req": f"{t0}",
+                    "submit_to_done_ms": wait_ms, "blocks": 10, "copy_ms": wait_ms},
+                   {"what": "finished", "pid": pid, "t": t1 - 0.001, "req": f"{t0}"}]
+    return events
+
+
+@pytest.fixture
+def two_passes(tmp_path):
+    """baseline, ours per pass; ours's load waits 20 ms in pass 0 and 40 ms in pass 1. The trace's
+    processes are written out of order (pass 1's first): only time can tell them apart."""
+    runs = [engine_run("baseline", 0, 100.0, 0.300), engine_run("ours", 0, 200.0, 0.100),
+            engine_run("baseline", 1, 300.0, 0.310), engine_run("ours", 1, 400.0, 0.130)]
+    summary = {"summary": "ours", "system": "ours", "passes": [0, 1]}  # the harness's summary line: skipped
+    results = tmp_path / "r.jsonl"
+    results.write_text("".join(json.dumps(x) + "\n" for x in [{"provenance": {}}, *runs, summary]))
+    trace = tmp_path / "t.jsonl"
+    events = trace_of(runs[3], 222, 40.0) + trace_of(runs[1], 111, 20.0)
+    trace.write_text("".join(json.dumps(e) + "\n" for e in events))
+    return str(results), str(trace)
+
+
+def breakdown_main(monkeypatch, capsys, *argv: str) -> str:
+    monkeypatch.setattr(sys, "argv", ["ttft_breakdown.py", *argv])
+    ttft_breakdown.main()
+    return capsys.readouterr().out
+
+
+def test_runs_carry_their_pass_and_slot(two_passes, tmp_path):
+    runs = ttft_breakdown.load_runs(two_passes[0])
+    assert [(r["system"], r["pass"], r["slot"]) for r in runs] == [
+        ("baseline", 0, "baseline"), ("ours", 0, "ours"), ("baseline", 1, "baseline"), ("ours", 1, "ours")]
+    assert [r["pass"] for r in ttft_breakdown.load_runs(two_passes[0], 1)] == [1, 1]
+    old = tmp_path / "old.jsonl"  # before passes: no pass, no slot, a system listed twice
+    old.write_text("".join(json.dumps(engine_run(s, None, 100.0 * i, 0.1)) + "\n"
+                           for i, s in enumerate(["baseline", "ours", "ours"])))
+    assert [(r["pass"], r["slot"]) for r in ttft_breakdown.load_runs(str(old))] == [
+        (0, "baseline"), (0, "ours"), (0, "ours#2")]
+
+
+def test_the_trace_process_of_a_run_is_found_by_time(two_passes):
+    runs = ttft_breakdown.load_runs(two_passes[0])
+    events = [json.loads(line) for line in open(two_passes[1])]
+    assert [ttft_breakdown.trace_pid(r, events) for r in runs] == [None, 111, None, 222]
+
+
+def test_every_pass_by_default(two_passes, monkeypatch, capsys):
+    out = breakdown_main(monkeypatch, capsys, *two_passes, "--systems", "ours")
+    assert "(medians over the passes)" in out
+    assert "ours          115.0   115.0      99.0%" in out  # median of 100 and 130 ms
+    assert "DID NOT REPRODUCE" in out  # 100 vs 130 ms
+    assert "ours: 4 warm requests over 2 passes" in out
+    wait = [line for line in out.splitlines() if line.strip().startswith("wait")][0].split()
+    assert wait[1:] == ["30.0", "20.0", "40.0"]  # median / min / max over both passes' requests
+
+
+def test_one_pass_with_pass(two_passes, monkeypatch, capsys):
+    out = breakdown_main(monkeypatch, capsys, *two_passes, "--systems", "ours", "--pass", "1")
+    assert "ours          130.0   130.0" in out and "medians over the passes" not in out
+    assert "ours: 2 warm requests (median" in out
+    wait = [line for line in out.splitlines() if line.strip().startswith("wait")][0].split()
+    assert wait[1:] == ["40.0", "40.0", "40.0"]
+
+
+def test_a_pass_that_is_not_in_the_file_is_said(two_passes, monkeypatch, capsys):
+    with pytest.raises(SystemExit, match="for pass 5"):
+        breakdown_main(monkeypatch, capsys, *two_passes, "--pass", "5")
+
+
+def test_the_committed_run_4_reads_as_before():
+    """The README's 20K table and breakdown come from this file (one pass, from before passes)."""
+    import subprocess
+    res = BENCH / "results"
+    out = subprocess.run([sys.executable, str(BENCH / "ttft_breakdown.py"),
+                          str(res / "vllm026_ttft_20k_h100_2026-11-22_run4.jsonl"),
+                          str(res / "vllm026_ttft_20k_h100_2026-11-22_run4_trace.jsonl")],
+                         capture_output=True, text=True, check=True).stdout
+    assert "ours          100.9   125.2      99.2%  1.27x" in out
+    assert "lmcache        79.7   113.6      98.7%  1.00x" in out
+    assert "ours: 10 warm requests (median" in out and "ours_async: 10 warm requests" in out
+    assert "  wait           56.3    54.8    60.8" in out

@@ -1,0 +1,149 @@
+"""The vLLM peers harness (benchmarks/vllm_peers.py) without a GPU: its arguments, the engine
+kwargs of eager and CUDA-graphs mode, the command line of an engine process, and whole harness runs
+with the engine processes replaced at the seam ``main(run_one=...)`` by a fake runner that returns
+fixed result lines (no vLLM is imported)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import provenance  # noqa: E402
+import vllm_peers  # noqa: E402
+
+OURS_KTC = json.dumps({"kv_connector": "KvbmConnector", "kv_connector_module_path": "kvbm_client.connectors.vllm",
+                       "kv_role": "kv_both", "kv_connector_extra_config": {}})
+
+
+def test_defaults_are_one_eager_pass():
+    args = vllm_peers.parse_args([])
+    assert args.passes == 1 and args.cuda_graphs is False and args.pass_index == 0
+
+
+@pytest.mark.parametrize("bad", [["--passes", "0"], ["--passes", "-2"], ["--systems", "baseline,vllm_native"],
+                                 ["--systems", "baseline,,ours"]])
+def test_bad_arguments_are_refused_before_any_engine_runs(bad, capsys):
+    with pytest.raises(SystemExit) as e:
+        vllm_peers.parse_args(bad)
+    assert e.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_eager_is_the_default_mode():
+    kw = vllm_peers.base_engine_kwargs(vllm_peers.parse_args(["--engine", "--system", "ours"]))
+    assert kw["enforce_eager"] is True and "compilation_config" not in kw
+
+
+@pytest.mark.parametrize("system", ["baseline", "native", "lmcache", "ours", "ours_async"])
+def test_cuda_graphs_leave_compilation_and_graph_mode_to_vllm(system):
+    kw = vllm_peers.base_engine_kwargs(vllm_peers.parse_args(["--engine", "--system", system, "--cuda-graphs"]))
+    assert kw["enforce_eager"] is False and "compilation_config" not in kw
+
+
+def test_cuda_graphs_are_piecewise_for_a_connector_with_layer_hooks():
+    kw = vllm_peers.base_engine_kwargs(vllm_peers.parse_args(["--engine", "--system", "dynamo", "--cuda-graphs"]))
+    assert kw["enforce_eager"] is False and kw["compilation_config"] == {"cudagraph_mode": "PIECEWISE"}
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_the_engine_process_gets_the_workload_the_pass_and_the_mode(graphs):
+    argv = ["--systems", "baseline,ours", "--users", "5", "--sys-len", "0", "--ctx-len", "20000", "--turn-len", "128",
+            "--max-len", "24576", "--g1-gb", "4", "--g2-gb", "12", "--max-tokens", "8", "--rounds", "2"]
+    args = vllm_peers.parse_args(argv + (["--cuda-graphs"] if graphs else []))
+    cmd = vllm_peers.engine_cmd("ours", 3, args)
+    assert cmd[0] == sys.executable and cmd[1].endswith("benchmarks/vllm_peers.py")
+    child = vllm_peers.parse_args(cmd[2:])
+    assert child.engine and child.system == "ours" and child.pass_index == 3 and child.cuda_graphs is graphs
+    for k in ("users", "rounds", "sys_len", "ctx_len", "turn_len", "max_len", "g1_gb", "g2_gb", "max_tokens", "model"):
+        assert getattr(child, k) == getattr(args, k), k
+
+
+def extra(system: str, pass_index: int) -> dict:
+    kw, _ = vllm_peers.system_kwargs(system, 24.0, pass_index)
+    return kw["kv_transfer_config"].get("kv_connector_extra_config", {})
+
+
+def test_kvbm_gets_a_fresh_namespace_in_every_later_pass(monkeypatch):
+    monkeypatch.setenv("OURS_KTC", OURS_KTC)
+    assert "namespace" not in extra("ours", 0)  # pass 0: as before passes
+    assert extra("ours", 1)["namespace"] == "ours_pass1"
+    assert extra("ours_async", 0) == {"load_mode": "async", "namespace": "ours_async"}
+    assert extra("ours_async", 2) == {"load_mode": "async", "namespace": "ours_async_pass2"}
+    ktc = json.loads(OURS_KTC)
+    ktc["kv_connector_extra_config"] = {"namespace": "mine", "load_mode": "sync"}
+    monkeypatch.setenv("OURS_KTC", json.dumps(ktc))
+    assert extra("ours", 1) == {"namespace": "mine_pass1", "load_mode": "sync"}
+
+
+class FakeRunner:
+    """Stands in for the engine processes: fixed result lines, warm p50 per (system, pass)."""
+
+    def __init__(self, p50: dict[tuple[str, int], float]):
+        self.p50, self.calls = p50, []
+
+    def __call__(self, system: str, pass_index: int) -> dict:
+        self.calls.append((system, pass_index))
+        if (system, pass_index) not in self.p50:
+            return {"system": system, "error": "engine died"}
+        p50 = self.p50[system, pass_index]
+        rows = [{"round": r, "user": 0, "tokens": 100, "ttft_s": p50, "t0": 1.0, "cached": 90 * (r > 0), "output": [1]}
+                for r in range(3)]
+        return {"system": system, "how": "plain", "warm_ttft_p50": p50, "warm_ttft_p90": p50 * 1.2,
+                "warm_cached_frac": 0.9, "cudagraph_mode": "NONE", "rows": rows}
+
+
+def harness(tmp_path, monkeypatch, extra_argv: list[str], runner: FakeRunner) -> tuple[list[dict], str]:
+    monkeypatch.setenv("KVBM_BENCH_COMMIT", "0123abc")
+    monkeypatch.setattr(provenance, "_gpus", lambda: [{"name": "NVIDIA H100 80GB HBM3", "driver": "1", "memory": "x"}])
+    out = tmp_path / "out.jsonl"
+    vllm_peers.main(["--model", str(tmp_path / "model"), "--out", str(out), *extra_argv], run_one=runner)
+    return [json.loads(line) for line in out.read_text().splitlines()], str(out)
+
+
+def test_two_passes_alternate_and_end_with_a_summary_per_system(tmp_path, monkeypatch, capsys):
+    runner = FakeRunner({("baseline", 0): 0.400, ("ours", 0): 0.100, ("native", 0): 0.120,
+                         ("baseline", 1): 0.404, ("ours", 1): 0.104, ("native", 1): 0.150})
+    lines, _ = harness(tmp_path, monkeypatch, ["--systems", "baseline,ours,native", "--passes", "2"], runner)
+    assert runner.calls == [("baseline", 0), ("ours", 0), ("native", 0), ("baseline", 1), ("ours", 1), ("native", 1)]
+    head, results, sums = lines[0], lines[1:7], lines[7:]
+    assert head["passes"] == 2 and head["mode"] == "eager"
+    assert [(r["system"], r["pass"]) for r in results] == runner.calls
+    assert all(r["mode"] == "eager" and len(r["rows"]) == 3 for r in results)
+    assert [s["summary"] for s in sums] == ["baseline", "ours", "native"]
+    s = {x["summary"]: x for x in sums}
+    assert s["ours"]["warm_ttft_p50_median"] == pytest.approx(0.102)
+    assert s["ours"]["warm_ttft_p50_passes"] == [0.100, 0.104]
+    assert s["ours"]["reproduced"] is True and s["native"]["reproduced"] is False
+    assert all(x["mode"] == "eager" for x in sums)
+    printed = capsys.readouterr().out
+    native_line = [line for line in printed.splitlines() if line.startswith("native ")][0]
+    assert "DID NOT REPRODUCE" in native_line and "p50 passes differ by 25.0 %" in native_line
+
+
+def test_every_line_records_the_mode_and_the_file_its_provenance(tmp_path, monkeypatch):
+    runner = FakeRunner({("baseline", 0): 0.4, ("ours", 0): 0.1, ("baseline", 1): 0.4})  # ours fails in pass 1
+    lines, _ = harness(tmp_path, monkeypatch, ["--systems", "baseline,ours", "--passes", "2", "--cuda-graphs"], runner)
+    prov = lines[0]["provenance"]
+    assert prov["commit"] == "0123abc" and prov["source"] == "KVBM_BENCH_COMMIT"
+    assert "--cuda-graphs" in prov["argv"] and "--passes" in prov["argv"]
+    assert [g["name"] for g in prov["machine"]["gpus"]] == ["NVIDIA H100 80GB HBM3"]
+    assert all(line["mode"] == "graphs" for line in lines)
+    failed = [line for line in lines if line.get("pass") == 1 and line.get("system") == "ours"]
+    assert len(failed) == 1 and "error" in failed[0] and "rows" not in failed[0]
+    ours = [line for line in lines if line.get("summary") == "ours"][0]
+    assert ours["reproduced"] is False and ours["failed_passes"] == [1]
+
+
+def test_one_pass_writes_what_the_harness_wrote_before_passes(tmp_path, monkeypatch, capsys):
+    runner = FakeRunner({("baseline", 0): 0.4, ("ours", 0): 0.1})
+    lines, _ = harness(tmp_path, monkeypatch, ["--systems", "baseline,ours,ours"], runner)
+    assert runner.calls == [("baseline", 0), ("ours", 0), ("ours", 0)]
+    assert list(lines[0]) == ["provenance", "mode", "passes"]
+    assert [(line["system"], line["pass"], line["slot"]) for line in lines[1:]] == [
+        ("baseline", 0, "baseline"), ("ours", 0, "ours"), ("ours", 0, "ours#2")]
+    assert not any("summary" in line for line in lines)
+    printed = capsys.readouterr().out
+    assert "warm TTFT over" not in printed and "reproduce" not in printed
