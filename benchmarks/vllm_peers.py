@@ -58,7 +58,7 @@ def workload(users, rounds, sys_len, ctx_len, turn_len, seed=11):
 #: save_kv_layer records a CUDA event per layer; kvbm's and the native connector's hooks are no-ops,
 #: and LMCache declares PIECEWISE itself when it is layerwise (not here).
 LAYER_HOOKS = ("dynamo",)
-SYSTEMS = ("recompute", "baseline", "native", "lmcache", "dynamo", "ours", "ours_async")
+SYSTEMS = ("recompute", "baseline", "native", "lmcache", "dynamo", "ours", "ours_sync", "ours_async")
 
 
 def system_kwargs(name, g2_gb, pass_index=0):
@@ -82,12 +82,14 @@ def system_kwargs(name, g2_gb, pass_index=0):
         kw["kv_transfer_config"] = {"kv_connector": "DynamoConnector", "kv_role": "kv_both",
                                     "kv_connector_module_path": "kvbm.vllm_integration.connector"}
         env.update(DYN_KVBM_CPU_CACHE_GB=str(g2_gb), DYN_KVBM_METRICS="false")
-    elif name in ("ours", "ours_async"):  # ours_async: the same, with load_mode "async"
+    elif name in ("ours", "ours_sync", "ours_async"):
+        # ours: the connector's defaults (load_mode auto: async under vLLM's V2 runner or async
+        # scheduling); ours_sync / ours_async: the same with that load_mode
         kw["kv_transfer_config"] = json.loads(os.environ["OURS_KTC"])
-        if name == "ours_async":
+        if name != "ours":
             # its own key namespace: the same service, but none of the "ours" run's blocks
             kw["kv_transfer_config"].setdefault("kv_connector_extra_config", {}).update(
-                load_mode="async", namespace="ours_async")
+                load_mode=name.split("_", 1)[1], namespace=name)
         if pass_index > 0:
             # the kvbm service outlives the passes: a namespace per pass, so that every pass starts
             # without the blocks of the one before, like the peers' in-process caches

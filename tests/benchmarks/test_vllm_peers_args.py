@@ -37,7 +37,7 @@ def test_eager_is_the_default_mode():
     assert kw["enforce_eager"] is True and "compilation_config" not in kw
 
 
-@pytest.mark.parametrize("system", ["baseline", "native", "lmcache", "ours", "ours_async"])
+@pytest.mark.parametrize("system", ["baseline", "native", "lmcache", "ours", "ours_sync", "ours_async"])
 def test_cuda_graphs_leave_compilation_and_graph_mode_to_vllm(system):
     kw = vllm_peers.base_engine_kwargs(vllm_peers.parse_args(["--engine", "--system", system, "--cuda-graphs"]))
     assert kw["enforce_eager"] is False and "compilation_config" not in kw
@@ -72,6 +72,7 @@ def test_kvbm_gets_a_fresh_namespace_in_every_later_pass(monkeypatch):
     assert extra("ours", 1)["namespace"] == "ours_pass1"
     assert extra("ours_async", 0) == {"load_mode": "async", "namespace": "ours_async"}
     assert extra("ours_async", 2) == {"load_mode": "async", "namespace": "ours_async_pass2"}
+    assert extra("ours_sync", 0) == {"load_mode": "sync", "namespace": "ours_sync"}
     ktc = json.loads(OURS_KTC)
     ktc["kv_connector_extra_config"] = {"namespace": "mine", "load_mode": "sync"}
     monkeypatch.setenv("OURS_KTC", json.dumps(ktc))
