@@ -10,7 +10,9 @@ nothing else), so everything comes from there and from the environment:
 * :data:`CONFIG_ENV`, a JSON object with the keys vLLM's ``kv_connector_extra_config`` takes
   (``socket_dir``, ``leader_address``, ``worker_address``, ``worker_id``, ``namespace``,
   ``timeout_s``, ``retry_s``, ``load_mode``, ``early_loads``), because TensorRT-LLM's
-  ``kv_connector_config`` is a strict model with the module and class names only.
+  ``kv_connector_config`` is a strict model with the module and class names only. ``load_mode``
+  "auto" (the default) is "sync" here: the failed-load recompute that makes the vLLM connector
+  choose "async" (vllm#49250) is vLLM's; TensorRT-LLM's has not been shown wrong.
 
 Pure: no I/O beyond reading the environment.
 """
