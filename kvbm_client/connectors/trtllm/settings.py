@@ -12,7 +12,8 @@ nothing else), so everything comes from there and from the environment:
   ``timeout_s``, ``retry_s``, ``load_mode``, ``early_loads``), because TensorRT-LLM's
   ``kv_connector_config`` is a strict model with the module and class names only. ``load_mode``
   "auto" (the default) is "sync" here: the failed-load recompute that makes the vLLM connector
-  choose "async" (vllm#49250) is vLLM's; TensorRT-LLM's has not been shown wrong.
+  choose "async" (vllm#49250) is vLLM's; TensorRT-LLM's own recompute of a failed load is
+  untested here (its engine runs as stand-ins only).
 
 Pure: no I/O beyond reading the environment.
 """
