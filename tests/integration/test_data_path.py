@@ -23,6 +23,34 @@ def hashes(n: int, seed: int = 0, block: int = 16):
     return sequence_hashes([seed * 1_000_003 + i for i in range(n * block)], block)
 
 
+#: G2 of 4 blocks over a G3 of 32, every evicted block offloaded to G3
+SMALL_G2 = dict(DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS="4", DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS="32",
+                DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER="true", DYN_KVBM_HOST_FREE_WATERMARK="0")
+
+
+def two_blocks_in_g3(make_node, **settings):
+    """A :data:`SMALL_G2` node (plus ``settings``) with two blocks stored from engine blocks
+    0-1 and pushed to G3 by four more: (node, client, engine memory, their keys, their bytes)."""
+    node = make_node(**SMALL_G2, **settings)
+    client, engines = node.ready_client()
+    eng = engines["0"].array
+    keys = hashes(2, 7)
+    client.wait(client.offload(keys, [0, 1]))
+    client.wait(client.offload(hashes(4, 8), [2, 3, 4, 5]))  # pushes both to G3
+    assert client.match(keys, count_hit=False).tiers == (Tier.DISK, Tier.DISK)
+    return node, client, eng, keys, eng[0:2].copy()
+
+
+def wait_tiers(client, keys, tiers: tuple, timeout: float = 10.0) -> tuple:
+    """The tiers ``keys`` match in once they are ``tiers`` (a promotion runs beside the
+    answer to the load that caused it), or after ``timeout``."""
+    import time
+    end = time.monotonic() + timeout
+    while client.match(keys, count_hit=False).tiers != tiers and time.monotonic() < end:
+        time.sleep(0.05)
+    return client.match(keys, count_hit=False).tiers
+
+
 def test_offload_overwrite_onboard_into_other_blocks_two_workers(make_node):
     node = make_node(num_workers=2)
     client, engines = node.ready_client()
@@ -170,23 +198,11 @@ def test_debug_log_shows_every_decision(make_node):
 
 
 def test_disk_hit_is_promoted_back_to_host(make_node):
-    node = make_node(DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS="4", DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS="32",
-                     DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER="true", DYN_KVBM_HOST_FREE_WATERMARK="0")
-    client, engines = node.ready_client()
-    eng = engines["0"].array
-    keys = hashes(2, 7)
-    client.wait(client.offload(keys, [0, 1]))
-    client.wait(client.offload(hashes(4, 8), [2, 3, 4, 5]))  # pushes both to G3
-    assert client.match(keys, count_hit=False).tiers == (Tier.DISK, Tier.DISK)
-    original = eng[0:2].copy()
+    node, client, eng, keys, original = two_blocks_in_g3(make_node)
     eng[:] = 0
     client.wait(client.onboard(keys, [10, 11]))  # a G3 hit: the leader promotes them to G2
     assert np.array_equal(eng[10:12], original)
-    import time
-    deadline = time.monotonic() + 10
-    while client.match(keys, count_hit=False).tiers != (Tier.HOST, Tier.HOST) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert client.match(keys, count_hit=False).tiers == (Tier.HOST, Tier.HOST)
+    assert wait_tiers(client, keys, (Tier.HOST, Tier.HOST)) == (Tier.HOST, Tier.HOST)
     eng[:] = 0
     client.wait(client.onboard(keys, [20, 21]))  # now from G2, bytes still right
     assert np.array_equal(eng[20:22], original)
