@@ -68,13 +68,14 @@ class ConnectorSettings:
         overrides = {k: extra[k] for k in ("socket_dir", "leader_address") if extra.get(k)}
         cfg = KvbmConfig.from_env(**overrides)
         template = extra.get("worker_address") or cfg.worker_address("{id}")
+        mode = configured_load_mode(extra)
         return cls(config=cfg, leader_address=cfg.resolved_leader_address, worker_address_template=template,
                    region_socket_template=str(extra.get("region_socket") or cfg.region_socket("{id}")),
                    engine_id=engine_id,
                    namespace=str(extra.get("namespace") or default_namespace),
                    timeout_s=float(extra.get("timeout_s", 2.0)), retry_s=float(extra.get("retry_s", 2.0)),
                    ready_timeout_s=float(extra.get("ready_timeout_s", 120.0)),
-                   load_mode=resolve_load_mode(extra.get("load_mode", LoadMode.AUTO.value), auto_load_mode),
+                   load_mode=auto_load_mode if mode is LoadMode.AUTO else mode,
                    early_loads=_flag("early_loads", extra.get("early_loads", True)),
                    cost_aware_loads=_flag("cost_aware_loads", extra.get("cost_aware_loads", cfg.cost_aware_loads)),
                    prefill_tokens_per_s=float(extra.get("prefill_tokens_per_s", cfg.prefill_tokens_per_s)))
@@ -90,10 +91,9 @@ class ConnectorSettings:
         return (self.region_socket_template or self.config.region_socket("{id}")).replace("{id}", worker_id)
 
 
-def resolve_load_mode(value: Any, auto: LoadMode) -> LoadMode:
-    """The configured ``load_mode`` (checked), with "auto" replaced by ``auto``."""
-    mode = _load_mode(value)
-    return auto if mode is LoadMode.AUTO else mode
+def configured_load_mode(extra: Mapping[str, Any]) -> LoadMode:
+    """The ``load_mode`` an engine's connector config asks for (checked; default "auto")."""
+    return _load_mode(extra.get("load_mode", LoadMode.AUTO))
 
 
 def _load_mode(value: Any) -> LoadMode:

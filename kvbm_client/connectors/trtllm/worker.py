@@ -28,9 +28,9 @@ import logging
 import os
 from typing import Any, Callable, Iterable
 
-from ...logs import attach_engine_logging
 from ...errors import KvbmTransferError
 from ...ids import WorkerId
+from ...logs import attach_engine_logging
 from ..core.specs import RequestId, StepPlan
 from ..core.worker import WorkerCore
 from .compat import KvCacheConnectorWorker

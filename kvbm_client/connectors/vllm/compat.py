@@ -87,7 +87,7 @@ def auto_load_mode(vllm_config) -> tuple[str, str]:
     copy of ``num_computed_tokens`` then: the recompute reads tokens and positions from a stale
     device-side count, and under async scheduling the request also keeps its in-flight output
     placeholders, so its output is wrong (vllm#49250, open; fixes proposed in vllm#49252 and
-    vllm#53298; present in 0.26 and 0.32). An asynchronous load fails while the request waits
+    vllm#53298; measured in 0.26, and the same code is in 0.32's source). An asynchronous load fails while the request waits
     (``WAITING_FOR_REMOTE_KVS``), before the runner has seen it, and is recomputed correctly.
 
     vLLM 0.26's V1 runner under async scheduling fails too (measured, ``tests/stress`` on an

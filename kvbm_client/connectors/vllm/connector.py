@@ -23,7 +23,7 @@ except ImportError:  # pragma: no cover - older vLLM
 
 from ...ids import EngineBlockId
 from ...logs import attach_engine_logging
-from ..core.settings import ConnectorSettings, LoadMode, worker_ids
+from ..core.settings import ConnectorSettings, LoadMode, configured_load_mode, worker_ids
 from . import compat
 from .metadata import KvbmConnectorMetadata
 from .scheduler import KvbmConnectorScheduler
@@ -54,7 +54,7 @@ class KvbmConnector(KVConnectorBase_V1, SupportsHMA):
         self._settings = ConnectorSettings.from_extra(extra, compat.namespace(vllm_config),
                                                       engine_id=str(ktc.engine_id or ""),
                                                       auto_load_mode=LoadMode(auto_mode))
-        if str(extra.get("load_mode", LoadMode.AUTO.value)).lower() == LoadMode.AUTO.value:
+        if configured_load_mode(extra) is LoadMode.AUTO:
             # NOTE: a warning when auto gives up the faster synchronous loads: the operator should
             # know why hits cost one engine step more (vLLM's engine process shows warnings only)
             (log.warning if auto_mode == LoadMode.ASYNC.value else log.info)(

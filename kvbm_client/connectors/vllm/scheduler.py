@@ -10,8 +10,7 @@ worker role copies them in before the step's forward, and the request is prefill
 step; or asynchronous (``"async"``): the request waits in ``WAITING_FOR_REMOTE_KVS`` until the
 worker role reports the load done, so other requests' steps never wait for a copy. The default
 ``"auto"`` is synchronous unless vLLM would recompute a failed synchronous load wrongly (its V2
-model runner with ``kv_load_failure_policy: "recompute"``, vllm#49250; see
-:func:`.compat.auto_load_mode`).
+model runner, or asynchronous scheduling: vllm#49250; see :func:`.compat.auto_load_mode`).
 """
 from __future__ import annotations
 
