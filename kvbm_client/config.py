@@ -96,6 +96,10 @@ OPTIONS: tuple[Option, ...] = (
            "Longest hash list one request may carry.", "kvbm"),
     Option("host_free_watermark", "DYN_KVBM_HOST_FREE_WATERMARK", float, 0.05,
            "Fraction of G2 kept free by background demotion/eviction.", "kvbm"),
+    Option("store_demotion_mb", "DYN_KVBM_STORE_DEMOTION_MB", float, 64.0,
+           "MB of G2->G3 copies one offload may carry (the blocks it evicts from G2); past it the "
+           "evicted blocks are dropped, not written to G3 first, so a slow disk never holds the "
+           "engine's blocks (the background demotion still feeds G3). -1: no limit.", "kvbm"),
     # ---- cost-aware onboarding (kvbm_leader/onboard_cost.py) ----
     Option("cost_aware_loads", "DYN_KVBM_COST_AWARE_LOADS", parse_bool, True,
            "Connectors load a hit only as far as loading beats recomputing it (the rest is "
@@ -200,6 +204,7 @@ class KvbmConfig:
     session_ttl_secs: float = 10.0
     max_hashes: int = 65536
     host_free_watermark: float = 0.05
+    store_demotion_mb: float = 64.0
     cost_aware_loads: bool = True
     prefill_tokens_per_s: float = 0.0
     host_load_gbps: float = 20.0
@@ -312,6 +317,8 @@ class KvbmConfig:
                 raise KvbmConfigError(f"{_BY_FIELD[name].env} must be a finite number > 0")
         if not 0 <= self.prefill_tokens_per_s < math.inf:
             raise KvbmConfigError("DYN_KVBM_PREFILL_TOKENS_PER_S must be a finite number >= 0")
+        if not (self.store_demotion_mb == -1 or 0 <= self.store_demotion_mb < math.inf):
+            raise KvbmConfigError("DYN_KVBM_STORE_DEMOTION_MB must be a finite number >= 0, or -1 (no limit)")
         if not 0 <= self.host_free_watermark < 1:
             raise KvbmConfigError("DYN_KVBM_HOST_FREE_WATERMARK must be in [0, 1)")
         if self.session_ttl_secs > self.max_session_ttl_secs:

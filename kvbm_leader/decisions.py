@@ -37,6 +37,7 @@ class JobPlacement:
     skipped_full: int = 0
     skipped_cost: int = 0  # LOAD: matched blocks after ``keys`` left to recompute (cheaper than loading)
     dropped: int = 0  # evicted without a copy elsewhere
+    skipped_demotions: int = 0  # STORE: of ``dropped``, blocks worth G3 left out (demotion limit spent)
 
     @property
     def is_empty(self) -> bool:

@@ -22,7 +22,7 @@ from .events import KvEventFeed
 from .ledger import JobLedger
 from .membership import Layout, Membership, WorkerRecord
 from .metrics import LeaderMetrics
-from .placement import PlacementPolicy
+from .placement import PlacementPolicy, store_demotion_limit
 from .rebalancer import Rebalancer
 from .refusals import Refused, Why
 from .restore import G3Restorer
@@ -134,6 +134,8 @@ class WorkerFleet:
             log.info("waiting for the layouts of %s", ", ".join(self.membership.waiting_for_layouts))
             return
         self.placement.resize({Tier.HOST: sizes.host_slots, Tier.DISK: sizes.disk_slots})
+        self.placement.store_demotion_limit = store_demotion_limit(self.config.store_demotion_mb,
+                                                                   self.membership.block_bytes())
         log.info("pool plan epoch %d: G2 %d blocks, G3 %d blocks (%d bytes per block over %d workers)%s",
                  sizes.epoch, sizes.host_slots, sizes.disk_slots, self.membership.block_bytes(),
                  len(self.membership.members), f"; dropped {dropped} blocks" if dropped else "")

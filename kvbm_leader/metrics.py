@@ -26,6 +26,8 @@ COUNTERS = {
     "kvbm_offload_skipped_present": "Offload requests skipped: block already stored",
     "kvbm_offload_skipped_full": "Offload requests skipped: target pool full or not ready",
     "kvbm_evicted_blocks": "Blocks dropped from the cache by eviction",
+    "kvbm_offload_skipped_demotions": "Evicted G2 blocks worth G3 that an offload dropped instead of writing them "
+                                      "to G3 first (DYN_KVBM_STORE_DEMOTION_MB spent)",
     "kvbm_promoted_blocks": "Blocks copied back from disk to host after a disk hit",
     "kvbm_onboard_skipped_blocks": "Matched blocks not loaded because recomputing them was expected to be faster",
     "kvbm_failed_jobs": "Transfer jobs rolled back (worker failure, timeout, release)",

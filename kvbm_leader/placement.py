@@ -9,7 +9,8 @@ decisions are atomic):
 
     prepare_store(job, keys) -> JobPlacement      reserve target slots (pending copies); may
                                                   evict LRU blocks and demote the frequent
-                                                  ones G2 -> G3 first
+                                                  ones G2 -> G3 first (at most
+                                                  ``store_demotion_limit`` per store)
     prepare_load(job, keys)  -> JobPlacement      pin the longest ready prefix
     prepare_demotion(job, n) -> JobPlacement      background G2 -> G3 for the watermark
     prepare_promotion(job, keys) -> JobPlacement  G3 -> G2 for blocks just hit on disk
@@ -18,7 +19,11 @@ decisions are atomic):
 
 Invariants: only ready copies are matchable; a pinned block or a copy being read by a
 demotion is never evicted; a prepare that cannot be satisfied changes nothing for that block;
-a block that needs a slot evicts at most one block (a client never evicts more than it stores).
+a block that needs a slot evicts at most one block (a client never evicts more than it stores);
+a store carries at most ``store_demotion_limit`` demotions (the worker writes them to G3 before
+it writes the store's blocks into their slots, so the engine's blocks wait for the disk): past
+it, the blocks a store evicts are dropped (``skipped_demotions``) and only the background
+demotion feeds G3, so a disk slower than the offload stream never holds the engine back.
 """
 from __future__ import annotations
 
@@ -32,7 +37,15 @@ from .policies.frequency import FrequencyFilter
 from .registry import BlockEntry, BlockRegistry, DiskJournal
 from .steps import CompletionStepper, LoadStepper, MatchStepper, StoreStepper
 
-__all__ = ["HostDiskMove", "JobPlacement", "Outcome", "PlacementPolicy"]
+__all__ = ["HostDiskMove", "JobPlacement", "Outcome", "PlacementPolicy", "store_demotion_limit"]
+
+
+def store_demotion_limit(budget_mb: float, block_bytes: int) -> int | None:
+    """Demotions per store for a budget of ``budget_mb`` MB (1e6 bytes) of G2 -> G3 copies:
+    None (no limit) for a negative budget or an unknown block size."""
+    if budget_mb < 0 or block_bytes <= 0:
+        return None
+    return int(budget_mb * 1e6 // block_bytes)
 
 
 class PlacementPolicy:
@@ -40,13 +53,17 @@ class PlacementPolicy:
 
     ``generation`` counts resets: a stepper started before a reset must not go on.
     ``journal``: where every registry reports its G3 changes (``DYN_KVBM_DISK_PERSIST``).
+    ``store_demotion_limit``: the most G2 -> G3 copies one store may carry (None: no limit;
+    the leader sets it from ``DYN_KVBM_STORE_DEMOTION_MB`` at each pool plan, see
+    :func:`store_demotion_limit`).
     """
 
     def __init__(self, capacities: dict[Tier, int], frequency: FrequencyFilter,
-                 journal: DiskJournal | None = None) -> None:
+                 journal: DiskJournal | None = None, store_demotion_limit: int | None = None) -> None:
         self.capacities = {t: n for t, n in capacities.items() if n > 0}
         self.frequency = frequency
         self.journal = journal
+        self.store_demotion_limit = store_demotion_limit
         self.registry = BlockRegistry(self.capacities, journal)
         self.generation = 0
 
@@ -82,6 +99,14 @@ class PlacementPolicy:
         return (Tier.DISK in self.registry.pools and Tier.DISK not in entry.copies
                 and self.frequency.passes(entry.key))
 
+    def _may_demote(self, plan: JobPlacement) -> bool:
+        """Whether ``plan`` may carry one more demotion (a store's are bounded; counts a refusal)."""
+        limit = self.store_demotion_limit
+        if plan.kind is not PlanKind.STORE or limit is None or len(plan.demotions) < limit:
+            return True
+        plan.skipped_demotions += 1
+        return False
+
     def take_slot(self, tier: Tier, plan: JobPlacement) -> SlotId | None:
         """A slot of ``tier`` for a new copy: free, else evict the LRU evictable block
         (demoting it G2 -> G3 first when the filter says it is worth keeping)."""
@@ -95,7 +120,7 @@ class PlacementPolicy:
             return None
         victim = reg.blocks[victim_key]
         if tier is Tier.HOST and self._needs_demotion(victim):
-            disk_slot = self.take_slot(Tier.DISK, plan)
+            disk_slot = self.take_slot(Tier.DISK, plan) if self._may_demote(plan) else None
             if disk_slot is not None:
                 # The worker copies G2 -> G3 before it writes the new block into this slot
                 # (same plan, same worker, in order), so the slot can be handed on now.

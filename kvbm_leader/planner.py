@@ -105,11 +105,13 @@ class RequestPlanner:
         m.inc("kvbm_offload_skipped_present", plan.skipped_present)
         m.inc("kvbm_offload_skipped_full", plan.skipped_full)
         m.inc("kvbm_evicted_blocks", plan.dropped)
+        m.inc("kvbm_offload_skipped_demotions", plan.skipped_demotions)
         signed = (await self.ledger.issue(plan, session))[1] if not plan.is_empty else None
         self.feed.flush(self.placement.registry)
-        log.debug("offload decision job=%d: store %d to %s [%s], present %d, full %d, demote %d, dropped %d",
-                  plan.job_id, len(plan.keys), plan.tiers[0].label if plan.tiers else "-", short(plan.keys),
-                  plan.skipped_present, plan.skipped_full, len(plan.demotions), plan.dropped)
+        log.debug("offload decision job=%d: store %d to %s [%s], present %d, full %d, demote %d, dropped %d "
+                  "(%d past the demotion limit)", plan.job_id, len(plan.keys),
+                  plan.tiers[0].label if plan.tiers else "-", short(plan.keys), plan.skipped_present,
+                  plan.skipped_full, len(plan.demotions), plan.dropped, plan.skipped_demotions)
         self.rebalancer.maybe_demote()
         return plan, signed
 

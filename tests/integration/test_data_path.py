@@ -108,6 +108,21 @@ def test_full_tier_is_a_counted_skip_not_an_error(make_node):
     assert node.status().counters["kvbm_offload_skipped_full"] == 3
 
 
+def test_a_store_writes_at_most_its_demotion_budget_to_g3(make_node):
+    """DYN_KVBM_STORE_DEMOTION_MB bounds the G2 -> G3 copies one offload carries (each makes
+    the engine's blocks wait for the disk): 0.01 MB is one block of this layout; the other
+    blocks the store evicts are dropped and counted."""
+    node = make_node(**SMALL_G2, DYN_KVBM_STORE_DEMOTION_MB="0.01")
+    client, _ = node.ready_client()
+    first = hashes(4, 7)
+    client.wait(client.offload(first, [0, 1, 2, 3]))
+    client.wait(client.offload(hashes(4, 8), [4, 5, 6, 7]))  # evicts all four, one goes to G3
+    assert [client.match([k], count_hit=False).tiers for k in first] == [(Tier.DISK,), (), (), ()]
+    counters = node.status().counters
+    assert counters["kvbm_offload_skipped_demotions"] == 3
+    assert counters["kvbm_offload_blocks_h2d"] == 1 and counters["kvbm_evicted_blocks"] == 3
+
+
 @pytest.mark.parametrize("filter_disabled", [False, True])
 def test_g2_pressure_moves_frequent_blocks_to_g3(make_node, filter_disabled):
     node = make_node(DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS="8", DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS="32",

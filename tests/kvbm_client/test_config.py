@@ -72,6 +72,9 @@ def test_bool_parsing(text: str, expected: bool) -> None:
     ({"DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS": "60"}, "leader_worker_init_timeout_secs", 60.0),
     ({"DYN_KVBM_METRICS_PORT": "9100"}, "metrics_port", 9100),
     ({"DYN_KVBM_HOST_FREE_WATERMARK": "0.2"}, "host_free_watermark", 0.2),
+    ({}, "store_demotion_mb", 64.0),
+    ({"DYN_KVBM_STORE_DEMOTION_MB": "0"}, "store_demotion_mb", 0.0),
+    ({"DYN_KVBM_STORE_DEMOTION_MB": "-1"}, "store_demotion_mb", -1.0),
 ])
 def test_env_values_are_parsed(env: dict, field: str, expected) -> None:
     assert getattr(make_config(**env), field) == expected
@@ -103,6 +106,8 @@ def test_unparsable_values_raise_naming_the_variable(var: str, raw: str) -> None
     ("DYN_KVBM_METRICS_PORT", "65536"),
     ("DYN_KVBM_HOST_FREE_WATERMARK", "1"),
     ("DYN_KVBM_HOST_FREE_WATERMARK", "-0.1"),
+    ("DYN_KVBM_STORE_DEMOTION_MB", "-2"),
+    ("DYN_KVBM_STORE_DEMOTION_MB", "inf"),
 ])
 def test_out_of_range_values_raise_naming_the_variable(var: str, raw: str) -> None:
     with pytest.raises(KvbmConfigError, match=var):

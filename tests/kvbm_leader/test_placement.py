@@ -8,7 +8,7 @@ import pytest
 
 from kvbm_client.ids import BlockHash, JobId, PlanKind, SlotId, Tier
 from kvbm_client.contract import MatchResult
-from kvbm_leader.placement import JobPlacement, PlacementPolicy
+from kvbm_leader.placement import JobPlacement, PlacementPolicy, store_demotion_limit
 from kvbm_leader.policies.frequency import FrequencyFilter
 
 HOST, DISK = Tier.HOST, Tier.DISK
@@ -248,6 +248,46 @@ def test_host_eviction_demotes_frequent_blocks_in_the_store_plan(filter_enabled:
     assert outcome.stored == {HOST: 2, DISK: 0}
     assert tm.match(keys(2), count_hit=False) == MatchResult(1, (DISK,))
     assert tm.match(keys(1), count_hit=False).num_matched == (0 if filter_enabled else 1)
+
+
+@pytest.mark.parametrize("limit", [0, 1, 2])
+def test_a_store_carries_at_most_its_demotion_limit_and_drops_the_rest(limit: int) -> None:
+    """A store's demotions make the engine's blocks wait for the disk: past the limit the
+    evicted blocks are dropped, counted apart from blocks the filter did not want."""
+    tm = make_manager(host=3, disk=8, filter_enabled=False)
+    tm.store_demotion_limit = limit
+    store(tm, 1, 2, 3)  # LRU order [1, 2, 3], every one worth G3 (filter off)
+
+    plan = tm.prepare_store(next_job(), keys(4, 5, 6))
+
+    verify_plan(plan, ExpectedPlan(keys=[4, 5, 6], tiers=[HOST] * 3, demoted=[1, 2, 3][:limit], dropped=3 - limit))
+    assert plan.skipped_demotions == 3 - limit
+    tm.complete(plan, success=True)
+    assert [copies(tm, i) for i in (1, 2, 3)] == [{DISK: True}] * limit + [{}] * (3 - limit)
+
+
+def test_the_demotion_limit_binds_stores_only() -> None:
+    """Background demotion and promotion are the leader's own jobs: no engine block waits on them."""
+    tm = make_demotable(filter_enabled=False)
+    tm.store_demotion_limit = 0
+    plan = tm.prepare_demotion(next_job(), free_target=4)
+    assert len(plan.demotions) == 4 and plan.skipped_demotions == 0
+
+
+def test_a_block_the_filter_drops_is_not_a_skipped_demotion() -> None:
+    tm = make_manager(host=2, disk=4, filter_enabled=True)
+    tm.store_demotion_limit = 0
+    store(tm, 1, 2)
+    make_frequent(tm, 2)
+    plan = tm.prepare_store(next_job(), keys(3, 4))
+    verify_plan(plan, ExpectedPlan(keys=[3, 4], tiers=[HOST, HOST], dropped=2))
+    assert plan.skipped_demotions == 1  # 2 was worth G3; 1 was a one-off
+
+
+@pytest.mark.parametrize("budget_mb,block_bytes,expected", [
+    (64.0, 2_359_296, 27), (64.0, 8192, 7812), (0.0, 8192, 0), (-1.0, 8192, None), (64.0, 0, None)])
+def test_store_demotion_limit_from_the_budget(budget_mb: float, block_bytes: int, expected: int | None) -> None:
+    assert store_demotion_limit(budget_mb, block_bytes) == expected
 
 
 def test_demotion_evicts_from_disk_lru_when_disk_is_full() -> None:
