@@ -22,7 +22,11 @@ USERS, ROUNDS = 4, 3
 
 # NOTE: three vLLM servers and a node on the 2-core CI machine beside the other xdist worker: in 2
 # of 3 parallel runs the leader stopped answering for 5-25 s (a Status timed out, a session
-# expired); sequential runs passed. Until that is explained it runs under `make stress`, not CI.
+# expired); sequential runs passed. Explained (benchmarks/leader_watch.py): the leader was runnable
+# but not run (run-queue wait ~ the stall, ~1 ms of CPU), the engines' workers spinning; the node
+# shared its session's autogroup with the test run. The benchmark now starts the node detached
+# (own session); stalls fell from 7-30 s to 0.4 s in one run. Still under `make stress` until CI
+# passes it in parallel a few times.
 pytestmark = [pytest.mark.timeout(1800),
               pytest.mark.skipif(os.environ.get("KVBM_STRESS_LONG", "") != "1",
                                  reason="1P1D with three vLLM servers: `make stress` (KVBM_STRESS_LONG=1)")]
