@@ -171,6 +171,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         alloc = f" ({_alloc_progress(w, config) * 100:.0f}% allocated)" if w.state == "allocating" else ""
         print(f"  worker {w.worker_id} rank {w.rank}: {w.state}{alloc}; {shape}; "
               f"G2 {_fmt_bytes(w.host_bytes)}, G3 {_fmt_bytes(w.disk_bytes)}; {w.endpoint}")
+        if w.error:
+            print(f"    pools failed: {w.error}")
     c = status.counters
     print("  offload d2h {:.0f}, h2d {:.0f}, d2d {:.0f}; onboard h2d {:.0f}, d2d {:.0f}; matched tokens {:.0f}".format(
         c.get("kvbm_offload_blocks_d2h", 0), c.get("kvbm_offload_blocks_h2d", 0), c.get("kvbm_offload_blocks_d2d", 0),

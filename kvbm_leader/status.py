@@ -28,7 +28,7 @@ def worker_infos(membership: Membership) -> list["pb.WorkerInfo"]:
     out = []
     for rec in sorted(membership.workers.values(), key=lambda r: r.rank):
         info = pb.WorkerInfo(worker_id=rec.worker_id, rank=rec.rank, endpoint=rec.endpoint,
-                             state=rec.state(epoch), alloc_progress=rec.alloc_progress)
+                             state=rec.state(epoch), alloc_progress=rec.alloc_progress, error=rec.error)
         lay = rec.layout
         if lay is not None:
             info.layout.CopyFrom(pb.KvLayout(num_layers=lay.num_layers, page_bytes=lay.page_bytes, dtype=lay.dtype,

@@ -125,6 +125,7 @@ class PoolAllocator:
         self._lock = asyncio.Lock()
         self.current: Pools | None = None
         self.progress: AllocationProgress | None = None
+        self.error = ""  # why the last allocation failed ("" while none did)
 
     async def apply(self, plan: "pb.PoolPlan", layout: "pb.KvLayout") -> tuple[bool, str]:
         """Make the pools match ``plan`` for ``layout``; returns (ok, error) for ``PoolsReady``."""
@@ -152,10 +153,10 @@ class PoolAllocator:
                 pools = await asyncio.get_running_loop().run_in_executor(
                     None, self._allocate, plan.epoch, host_geo, disk_geo, persist, self.progress)
             except Exception as exc:
-                error = f"{type(exc).__name__}: {exc}"
-                log.error("pool allocation failed: %s", error)
-                return False, error
-            self.current = pools
+                self.error = f"{type(exc).__name__}: {exc}"
+                log.error("pool allocation failed: %s", self.error)
+                return False, self.error
+            self.current, self.error = pools, ""
             try:
                 await self._lanes.on_each(pools.mover.warm_lane)
             except Exception as exc:  # the jobs will report the same failure, one by one

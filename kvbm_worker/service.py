@@ -124,7 +124,9 @@ class WorkerService(rpc.WorkerServicer):  # type: ignore[misc]  # generated base
     async def Status(self, request: "pb.WorkerStatusRequest", context: Any) -> "pb.WorkerStatusResponse":
         progress = self.pools.progress
         pools = self.pools.current
-        info = pb.WorkerInfo(worker_id=self.worker_id, rank=self.rank, state="ready" if pools else "waiting",
+        error = self.pools.error
+        info = pb.WorkerInfo(worker_id=self.worker_id, rank=self.rank,
+                             state="ready" if pools else "failed" if error else "waiting", error=error,
                              alloc_progress=progress.fraction if progress is not None else 0.0)
         layout = self.layout()
         if layout is not None:

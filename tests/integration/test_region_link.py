@@ -47,3 +47,33 @@ def test_the_region_is_kept_registered_and_its_id_published(make_node):
         link.close()
     assert ids.lookup("0") is None, "the record outlived the region"
     wait_for(lambda: list(node.worker_status("0").regions) == [], "the closed link's region to go")
+
+
+def test_pools_that_fail_end_the_wait_with_the_reason(make_node, tmp_path, caplog):
+    """A worker that could not allocate its pools (here: G3's directory is a file) says so in
+    its status, with the reason, beside the leader's view; the engine's wait for the pools ends
+    at once with that reason logged instead of waiting out ``ready_timeout_s``."""
+    import logging
+    import time
+    not_a_dir = tmp_path / "g3-is-a-file"
+    not_a_dir.write_text("")
+    node = make_node(DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS="8", DYN_KVBM_DISK_CACHE_DIR=str(not_a_dir))
+    settings = ConnectorSettings(leader_address=node.leader_address,
+                                 worker_address_template=node.config().worker_address("{id}"), namespace="t",
+                                 timeout_s=2.0, retry_s=0.2, ready_timeout_s=60.0, config=node.config(),
+                                 engine_id=ENGINE)
+    link = RegionLink(WorkerId("0"), settings)
+    try:
+        with caplog.at_level(logging.ERROR, logger="kvbm.connector"):
+            started = time.monotonic()
+            link.register(node.engine(num_blocks=16).spec())
+            waited = time.monotonic() - started
+        info = node.worker_status("0").info
+        assert info.state == "failed" and str(not_a_dir) in info.error
+        assert waited < 30.0, f"waited {waited:.1f}s of the 60s ready timeout"
+        assert any("could not allocate its pools" in r.getMessage() and str(not_a_dir) in r.getMessage()
+                   for r in caplog.records)
+        leader_view = {w.worker_id: w for w in node.status().workers}["0"]
+        assert leader_view.state == "failed" and str(not_a_dir) in leader_view.error
+    finally:
+        link.close()

@@ -136,6 +136,11 @@ class RegionLink:
                 return
             if status.info.state == "ready":
                 return
+            if status.info.state == "failed":  # waiting would not help: the node must be fixed
+                log.error("kvbm worker %s could not allocate its pools (%s); the engine starts without "
+                          "kvbm: nothing is offloaded or loaded until the node is fixed and re-planned",
+                          self.worker_id, status.info.error or "no reason given")
+                return
             time.sleep(0.1)
         log.warning("kvbm worker %s: pools not ready after %gs; starting anyway", self.worker_id,
                     self.settings.ready_timeout_s)

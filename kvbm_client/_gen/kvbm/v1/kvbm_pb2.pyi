@@ -114,7 +114,7 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, client_name: _Optional[str] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "rank", "endpoint", "state", "layout", "host_bytes", "disk_bytes", "alloc_progress")
+    __slots__ = ("worker_id", "rank", "endpoint", "state", "layout", "host_bytes", "disk_bytes", "alloc_progress", "error")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +123,7 @@ class WorkerInfo(_message.Message):
     HOST_BYTES_FIELD_NUMBER: _ClassVar[int]
     DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
     ALLOC_PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     rank: int
     endpoint: str
@@ -131,7 +132,8 @@ class WorkerInfo(_message.Message):
     host_bytes: int
     disk_bytes: int
     alloc_progress: float
-    def __init__(self, worker_id: _Optional[str] = ..., rank: _Optional[int] = ..., endpoint: _Optional[str] = ..., state: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., host_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., alloc_progress: _Optional[float] = ...) -> None: ...
+    error: str
+    def __init__(self, worker_id: _Optional[str] = ..., rank: _Optional[int] = ..., endpoint: _Optional[str] = ..., state: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., host_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., alloc_progress: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
     __slots__ = ("session_id", "leader_id", "workers", "max_hashes", "ttl_ms")
