@@ -44,6 +44,8 @@ class NodeConfig:
     gpu: int | None = None
     #: the checkout whose daemons run (e.g. the code before a fix) [default: $KVBM_STRESS_SRC, else this one]
     src: str = os.environ.get("KVBM_STRESS_SRC", "")
+    #: further node settings, ``(DYN_KVBM_NAME, value)`` (e.g. a policy knob under test)
+    settings: tuple[tuple[str, str], ...] = ()
 
     def env(self, root: Path) -> dict[str, str]:
         overrides: dict[str, object] = {
@@ -51,6 +53,7 @@ class NodeConfig:
             "DYN_LOG": self.log_level}
         if self.g3_blocks:
             overrides["DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS"] = self.g3_blocks
+        overrides.update(dict(self.settings))
         path = [str(FAULTS)] if self.faults else []
         path += [self.src or str(REPO), os.environ.get("PYTHONPATH", "")]
         overrides["PYTHONPATH"] = os.pathsep.join(filter(None, path))

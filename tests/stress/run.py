@@ -56,6 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     n.add_argument("--g3-blocks", type=int, default=512)
     n.add_argument("--job-timeout", type=float, default=5.0, help="DYN_KVBM_JOB_TIMEOUT_SECS of the fault passes")
     n.add_argument("--no-nixl", action="store_true")
+    n.add_argument("--node-env", action="append", default=[], metavar="DYN_KVBM_NAME=VALUE",
+                   help="a further node setting (repeatable), e.g. DYN_KVBM_STORE_DEMOTION_MB=0")
     n.add_argument("--gpu", type=int, default=None, help="the worker serves this CUDA device (GPU engine)")
     n.add_argument("--kvbm-src", default="", help="a checkout whose connector and daemons run [default: this one]")
     f = p.add_argument_group("faults")
@@ -75,6 +77,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=900.0, help="per engine run")
     p.add_argument("--out", default="", help="result JSON")
     return p.parse_args(argv)
+
+
+def node_settings(pairs: list[str]) -> tuple[tuple[str, str], ...]:
+    """``--node-env`` values: ``DYN_KVBM_NAME=VALUE`` each (anything else is an argument error)."""
+    out = []
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name.startswith("DYN_KVBM_"):
+            raise SystemExit(f"--node-env {pair!r}: expected DYN_KVBM_NAME=VALUE")
+        out.append((name, value))
+    return tuple(out)
 
 
 def fault_of(name: str, args) -> list[Fault]:
@@ -121,7 +134,8 @@ def main(argv=None) -> int:
     for name in args.passes.split(","):
         node = NodeConfig(g2_blocks=args.g2_blocks, g3_blocks=args.g3_blocks, no_nixl=args.no_nixl,
                           job_timeout_s=30.0 if name == "none" else args.job_timeout,
-                          log_level="debug" if args.debug else "info", src=args.kvbm_src, gpu=args.gpu)
+                          log_level="debug" if args.debug else "info", src=args.kvbm_src, gpu=args.gpu,
+                          settings=node_settings(args.node_env))
         try:
             outcome = run_pass(name + args.tag, model, workload, baseline, engine, node, fault_of(name, args), work,
                                timeout_s=args.timeout, trace=args.debug)
