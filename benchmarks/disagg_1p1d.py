@@ -121,8 +121,8 @@ def run_system(platform: harness.Platform, system: harness.System, work: Path, a
             kvbm_env = isolated_env(log_dir, {"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": args.g2_blocks} if args.g2_blocks
                                     else {"DYN_KVBM_CPU_CACHE_GB": args.g2_gb})
             node = LocalNode(kvbm_env, 1, gpus=[platform.devices[0]] if platform.devices[0] is not None else None,
-                             log_dir=log_dir, detach=True)
-            # NOTE: detach: the node in a session of its own, as the engines (harness) and a systemd
+                             log_dir=log_dir, own_session=True)
+            # NOTE: own_session: the node in a session of its own, as the engines (harness) and a systemd
             # unit are. With sched_autogroup on (most distributions) the kernel shares the CPU between
             # sessions first; in this process's session the leader competed with whatever else ran
             # there and waited up to 30 s on a run queue on 2 cores (README, "The leader never stalls").

@@ -165,16 +165,22 @@ class LocalNode:
             which stops them in order) and SIGTERMed by the kernel if this process dies.
             NOTE: uses ``preexec_fn``, which is unsafe in a process with threads: for
             ``kvbm serve`` only.
+        own_session: each daemon in its own session, without the rest of ``detach`` (no
+            ``preexec_fn``: safe with threads). With the kernel's autogroup scheduling a session
+            is also a CPU share: daemons in the session of busy work (a test run) can wait
+            seconds for a CPU (README, "Starved, not stalled").
         python: the interpreter that runs ``-m kvbm_leader`` / ``-m kvbm_worker``.
         cwd: the daemons' working directory [default: this process's].
     """
 
     def __init__(self, env: Mapping[str, str], num_workers: int = 1, *, gpus: Sequence[int] | None = None,
                  log_dir: Path | None = None, leader_args: Sequence[str] = (), worker_args: Sequence[str] = (),
-                 detach: bool = False, python: str = sys.executable, cwd: Path | None = None) -> None:
+                 detach: bool = False, own_session: bool = False, python: str = sys.executable,
+                 cwd: Path | None = None) -> None:
         self.env = dict(env)
         self.log_dir = log_dir
         self.detach = detach
+        self.own_session = own_session or detach
         self.python = python
         self.cwd = cwd
         self.leader_args = list(leader_args)
@@ -231,7 +237,7 @@ class LocalNode:
             daemon.proc = subprocess.Popen(
                 daemon.argv, env=self.env, cwd=self.cwd, stdout=out,
                 stderr=subprocess.STDOUT if out is not None else None,
-                preexec_fn=_die_with_parent if self.detach else None, start_new_session=self.detach)
+                preexec_fn=_die_with_parent if self.detach else None, start_new_session=self.own_session)
         finally:
             if out is not None:
                 out.close()  # the child holds its own descriptor

@@ -24,8 +24,8 @@ USERS, ROUNDS = 4, 3
 # of 3 parallel runs the leader stopped answering for 5-25 s (a Status timed out, a session
 # expired); sequential runs passed. Explained (benchmarks/leader_watch.py): the leader was runnable
 # but not run (run-queue wait ~ the stall, ~1 ms of CPU), the engines' workers spinning; the node
-# shared its session's autogroup with the test run. The benchmark now starts the node detached
-# (own session); stalls fell from 7-30 s to 0.4 s in one run. Still under `make stress` until CI
+# shared its session's autogroup with the test run. The benchmark now starts the node in its own session
+# (own_session); stalls fell from 7-30 s to 0.4 s in one run. Still under `make stress` until CI
 # passes it in parallel a few times.
 pytestmark = [pytest.mark.timeout(1800),
               pytest.mark.skipif(os.environ.get("KVBM_STRESS_LONG", "") != "1",
