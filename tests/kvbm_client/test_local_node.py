@@ -4,6 +4,7 @@ stand-in interpreter: a script that LocalNode runs in place of ``python -m kvbm_
 under LocalNode are covered by tests/integration (every fixture there is a LocalNode)."""
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -85,6 +86,22 @@ def test_stop_takes_the_workers_down_before_the_leader(tmp_path: Path, standin: 
     assert [d.returncode for d in node.daemons] == [0, 0, 0]
     assert (tmp_path / "logs" / "worker-1.log").read_text().startswith("worker-1 stand-in started")
     node.stop()  # idempotent
+
+
+@pytest.mark.parametrize("own_session", [False, True])
+def test_own_session_puts_each_daemon_in_a_session_of_its_own(tmp_path: Path, standin: str,
+                                                              own_session: bool) -> None:
+    node_env = isolated_env(tmp_path, {"STANDIN_JOURNAL": str(tmp_path / "journal")})
+    node = LocalNode(node_env, 1, log_dir=tmp_path / "logs", python=standin, own_session=own_session).start(wait=False)
+    try:
+        started(node, 2)
+        sessions = {os.getsid(d.pid) for d in node.daemons}
+        if own_session:
+            assert sessions == {d.pid for d in node.daemons}  # each one leads its own
+        else:
+            assert sessions == {os.getsid(0)}
+    finally:
+        node.stop()
 
 
 def test_a_daemon_that_ignores_sigterm_is_killed_after_the_timeout(tmp_path: Path, standin: str) -> None:
