@@ -221,10 +221,16 @@ async def lookup_leader(config: KvbmConfig, timeout: float) -> dict[str, Any]:
 class PrefixWatch:
     """Follows every key under a prefix: a snapshot first, then changes, forever.
 
-    Runs wherever a process needs a live view (tools, routers, tests). After an etcd error
-    (restart, lost connection) the watch is re-created from the last seen revision + 1, so
-    no change is missed; if etcd came back with an older revision (its data was lost) the
-    prefix is read again and the differences are reported instead.
+    Runs wherever a process needs a live view (tools, routers, tests). Each (re)connection
+    reads the prefix and reports how it differs from the view so far, then follows changes from
+    that read's revision: after an etcd error (restart, lost connection, lost data, compaction)
+    the view is never stale, while changes made during the outage arrive as their net
+    difference. A key put again with the value the view holds is no change.
+
+    NOTE: resuming from the last seen revision instead is not safe: an etcd that lost its data
+    counts revisions from 1 again, and once its keys were re-put past the old revision before
+    the watch came back, the puts in between were skipped (seen in CI: a leader re-registered
+    after a wipe and the watch never saw it).
     """
 
     def __init__(self, endpoints: str, prefix: str = PREFIX) -> None:
@@ -248,8 +254,8 @@ class PrefixWatch:
                     why = "stream ended"
                 except _etcd_errors() as exc:
                     why = type(exc).__name__
-                log.info("etcd watch on %s broke (%s); re-creating from revision %d", self.prefix, why,
-                         self.revision + 1)
+                log.info("etcd watch on %s broke (%s); re-reading it and following from there", self.prefix,
+                         why)
                 self.recreated += 1
                 await asyncio.sleep(backoff)
                 backoff = min(2.0, backoff * 2)
@@ -258,16 +264,15 @@ class PrefixWatch:
 
     async def _follow(self, client) -> AsyncIterator[tuple[str, str, dict | None]]:
         snapshot = await client.get_prefix(self.prefix.encode())
-        if self.revision == 0 or snapshot.header.revision < self.revision:
-            current = {kv.key.decode(): kv.value for kv in snapshot}
-            for key in [k for k in self.known if k not in current]:
-                del self.known[key]
-                yield "delete", key, None
-            for key, value in current.items():
-                if self.known.get(key) != value:
-                    self.known[key] = value
-                    yield "put", key, json.loads(value)
-            self.revision = snapshot.header.revision
+        current = {kv.key.decode(): kv.value for kv in snapshot}
+        for key in [k for k in self.known if k not in current]:
+            del self.known[key]
+            yield "delete", key, None
+        for key, value in current.items():
+            if self.known.get(key) != value:
+                self.known[key] = value
+                yield "put", key, json.loads(value)
+        self.revision = snapshot.header.revision
         watch = await client.watch_prefix(self.prefix.encode(), start_revision=self.revision + 1)
         try:
             async for event in watch:

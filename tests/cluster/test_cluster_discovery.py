@@ -3,6 +3,7 @@
 their leader through etcd, two nodes see each other, and etcd restarts are survived."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -121,14 +122,60 @@ def test_etcd_restart_data_path_unaffected_watch_recreated_keys_restored(etcd, m
         node.start_worker("9")
         await _watch_until(watch, stream, lambda k, key, v: k == "put" and key.endswith("/a/workers/9"), 15)
         assert watch.recreated >= 1
-        # etcd comes back with no data at all: leases are re-granted and keys put again.
+        # etcd comes back with no data at all: leases are re-granted and keys put again. The
+        # re-put keys may carry the values the watch holds (no change to report), so a key that
+        # is new after the wipe shows that the watch follows the new etcd: with a watch resumed
+        # from the old revision its put could be skipped.
         etcd.stop(kill=True)
         etcd.wipe()
         etcd.start()
-        await _watch_until(watch, stream, lambda k, key, v: k == "put" and key.endswith("/a/leader"), 15)
+        end = time.monotonic() + 15
+        while not ((seen := await list_nodes(etcd.endpoints)).get("a") and seen["a"].leader is not None):
+            assert time.monotonic() < end, "the leader did not re-register after the wipe"
+            await asyncio.sleep(0.1)
+        node.start_worker("10")
+        await _watch_until(watch, stream, lambda k, key, v: k == "put" and key.endswith("/a/workers/10"), 15)
         await stream.aclose()
         return {}
 
     run_async(scenario(), 60)
     wait_for(lambda: "0" in nodes(etcd).get("a").workers, 10, "worker 0 re-registered")
     assert "re-registered" in (node.root / "leader.log").read_text()
+
+
+def test_a_watch_after_etcd_lost_its_data_reports_the_new_state(etcd):
+    """etcd wiped and refilled past the watch's old revision before the watch reconnects: the
+    watch re-reads the prefix (old keys deleted, the new one put) instead of resuming from its
+    old revision, which would skip the new key's put and keep the lost keys in its view."""
+    from kvbm_client.discovery import _client
+    prefix = "/kvbm-test-wipe/"
+
+    async def scenario() -> None:
+        async def put_all(items: list[tuple[str, str]]) -> None:
+            client = _client(etcd.endpoints)
+            await client.connect()
+            try:
+                for key, value in items:
+                    await client.put(key.encode(), json.dumps(value).encode())
+            finally:
+                await client.close()
+
+        await put_all([(f"{prefix}old{i}", str(i)) for i in range(10)])
+        watch = PrefixWatch(etcd.endpoints, prefix)
+        stream = watch.events()
+        await _watch_until(watch, stream, lambda k, key, v: key.endswith("old9"), 10)  # the snapshot
+        await put_all([(f"{prefix}old10", "10")])
+        await _watch_until(watch, stream, lambda k, key, v: key.endswith("old10"), 10)  # now following
+        old_revision = watch.revision
+        assert old_revision >= 11
+        etcd.stop(kill=True)
+        etcd.wipe()
+        etcd.start()
+        # The generator runs only when iterated: all of this happens before it reconnects.
+        await put_all([(f"{prefix}new", "n")] + [(f"/kvbm-test-filler/{i}", "f") for i in range(old_revision + 5)])
+        await _watch_until(watch, stream, lambda k, key, v: k == "put" and key.endswith("/new"), 15)
+        assert set(watch.known) == {f"{prefix}new"}, "keys etcd lost are still in the view"
+        assert watch.recreated >= 1
+        await stream.aclose()
+
+    run_async(scenario(), 60)
