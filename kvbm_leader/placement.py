@@ -53,17 +53,17 @@ class PlacementPolicy:
 
     ``generation`` counts resets: a stepper started before a reset must not go on.
     ``journal``: where every registry reports its G3 changes (``DYN_KVBM_DISK_PERSIST``).
-    ``store_demotion_limit``: the most G2 -> G3 copies one store may carry (None: no limit;
-    the leader sets it from ``DYN_KVBM_STORE_DEMOTION_MB`` at each pool plan, see
+    ``store_demotion_limit``: the most G2 -> G3 copies one store may carry (None, the default:
+    no limit; the leader sets it from ``DYN_KVBM_STORE_DEMOTION_MB`` at each pool plan, see
     :func:`store_demotion_limit`).
     """
 
     def __init__(self, capacities: dict[Tier, int], frequency: FrequencyFilter,
-                 journal: DiskJournal | None = None, store_demotion_limit: int | None = None) -> None:
+                 journal: DiskJournal | None = None) -> None:
         self.capacities = {t: n for t, n in capacities.items() if n > 0}
         self.frequency = frequency
         self.journal = journal
-        self.store_demotion_limit = store_demotion_limit
+        self.store_demotion_limit: int | None = None
         self.registry = BlockRegistry(self.capacities, journal)
         self.generation = 0
 

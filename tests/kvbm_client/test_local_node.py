@@ -55,9 +55,9 @@ def journal(node: LocalNode) -> list[list[str]]:
     return [line.split() for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def make(tmp_path: Path, standin: str, num_workers: int = 2, **env: str) -> LocalNode:
+def make(tmp_path: Path, standin: str, num_workers: int = 2, own_session: bool = False, **env: str) -> LocalNode:
     node_env = isolated_env(tmp_path, {"STANDIN_JOURNAL": str(tmp_path / "journal"), **env})
-    return LocalNode(node_env, num_workers, log_dir=tmp_path / "logs", python=standin)
+    return LocalNode(node_env, num_workers, log_dir=tmp_path / "logs", python=standin, own_session=own_session)
 
 
 def started(node: LocalNode, n: int, timeout: float = 20.0) -> None:
@@ -91,8 +91,7 @@ def test_stop_takes_the_workers_down_before_the_leader(tmp_path: Path, standin: 
 @pytest.mark.parametrize("own_session", [False, True])
 def test_own_session_puts_each_daemon_in_a_session_of_its_own(tmp_path: Path, standin: str,
                                                               own_session: bool) -> None:
-    node_env = isolated_env(tmp_path, {"STANDIN_JOURNAL": str(tmp_path / "journal")})
-    node = LocalNode(node_env, 1, log_dir=tmp_path / "logs", python=standin, own_session=own_session).start(wait=False)
+    node = make(tmp_path, standin, 1, own_session=own_session).start(wait=False)
     try:
         started(node, 2)
         sessions = {os.getsid(d.pid) for d in node.daemons}

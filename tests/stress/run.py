@@ -114,6 +114,7 @@ def src_diff(src: str) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    settings = node_settings(args.node_env)  # a bad --node-env fails now, not after the baseline ran
     work = Path(args.work or f"/tmp/kvbm-stress-{time.strftime('%Y%m%d-%H%M%S')}")
     work.mkdir(parents=True, exist_ok=True)
     model = ensure_model(Path(args.model_dir))
@@ -135,7 +136,7 @@ def main(argv=None) -> int:
         node = NodeConfig(g2_blocks=args.g2_blocks, g3_blocks=args.g3_blocks, no_nixl=args.no_nixl,
                           job_timeout_s=30.0 if name == "none" else args.job_timeout,
                           log_level="debug" if args.debug else "info", src=args.kvbm_src, gpu=args.gpu,
-                          settings=node_settings(args.node_env))
+                          settings=settings)
         try:
             outcome = run_pass(name + args.tag, model, workload, baseline, engine, node, fault_of(name, args), work,
                                timeout_s=args.timeout, trace=args.debug)
