@@ -147,6 +147,7 @@ class PoolAllocator:
             await self._lanes.drain()
             if old is not None:
                 old.close()
+            self.error = ""  # a new try: "allocating", not the last try's "failed"
             try:
                 self.progress = AllocationProgress(
                     time.monotonic() + self.config.leader_worker_init_timeout_secs, pinning=self.path.gpu is not None)
