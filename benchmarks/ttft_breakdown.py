@@ -1,7 +1,7 @@
 """Where a warm request's TTFT goes with kvbm, from one harness run (``vllm_peers.py`` JSONL) and
 the connector's trace of the same run (``KVBM_CONNECTOR_TRACE``); plus the peers' table.
 
-    python3 benchmarks/ttft_breakdown.py RESULTS.jsonl TRACE.jsonl [--systems ours,ours_sync,ours_async] [--pass N]
+    python3 benchmarks/ttft_breakdown.py RESULTS.jsonl TRACE.jsonl [--systems ours,ours_sync,ours_async,ours_layerwise] [--pass N]
 
 Passes (``vllm_peers.py --passes N``): by default every pass is used; the table gives per system
 the median over the passes of each pass's warm p50 / p90 (each pass's p50 beside it, and whether
@@ -17,12 +17,16 @@ the row's start time ``t0``:
              early loads the scheduler role sends it from update_state_after_alloc, else the
              worker role does, after the step's PrepareStore and input preparation)
   head_start the copy sent early -> the worker role asks for it (0 without early loads)
-  wait       the worker role's Transfer submitted -> answered (what the engine's thread waits)
+  wait       the worker role's Transfer submitted -> answered (what the engine's thread waits,
+             except for layer-pipelined loads: their forward runs beside the copy)
   after_load load done -> the request finished in the scheduler (forward, sampling, output)
   ret        finished -> generate() returned
   (front + lookup + to_copy + head_start + wait + after_load + ret = ttft)
   store_prep PrepareStore round trip of the step (inside to_copy or head_start)
   copy       the copy on the daemon's lane, from its answer (it starts at the end of to_copy)
+  layer_wait layer-pipelined loads (``ours_layerwise``): what the engine's thread waited in the
+             layer hooks of the step (the rest of ``wait`` overlapped the forward)
+  first_group  layer-pipelined loads: the first layer group landed, ms after the worker role's call
 """
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ import statistics
 from peer_passes import slots, summarize, summary_line
 
 FIELDS = ("ttft", "front", "lookup", "to_copy", "head_start", "wait", "after_load", "ret", "store_prep", "copy",
-          "blocks")
+          "layer_wait", "first_group", "blocks")
 
 
 def load_runs(path: str, pass_index: int | None = None) -> list[dict]:
@@ -84,7 +88,9 @@ def breakdown(rows: list[dict], events: list[dict]) -> list[dict]:
                     "to_copy": (copy_start - p["t"]) * 1e3, "head_start": (load_start - copy_start) * 1e3,
                     "wait": ld["submit_to_done_ms"], "after_load": (f["t"] - ld["t"]) * 1e3,
                     "ret": (t1 - f["t"]) * 1e3, "store_prep": sum(e["ms"] for e in pick("prepare_store")),
-                    "copy": ld.get("copy_ms", float("nan")), "blocks": ld["blocks"]})
+                    "copy": ld.get("copy_ms", float("nan")),
+                    "layer_wait": sum(e["waited_ms"] for e in pick("layer_waits")) if pick("layer_waits") else float("nan"),
+                    "first_group": (ld.get("landed_ms") or [float("nan")])[0], "blocks": ld["blocks"]})
     return out
 
 
@@ -114,7 +120,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("results")
     ap.add_argument("trace")
-    ap.add_argument("--systems", default="ours,ours_sync,ours_async", help="the traced systems to break down")
+    ap.add_argument("--systems", default="ours,ours_sync,ours_async,ours_layerwise", help="the traced systems to break down")
     ap.add_argument("--pass", dest="pass_index", type=int, default=None,
                     help="this pass alone (default: every pass, the breakdown pools their warm requests)")
     args = ap.parse_args()

@@ -55,10 +55,12 @@ def workload(users, rounds, sys_len, ctx_len, turn_len, seed=11):
 #: systems whose connector does work in vLLM's per-layer hooks (wait_for_layer_load / save_kv_layer)
 #: without declaring requires_piecewise_for_cudagraph (vLLM 0.26 then keeps FULL graphs, whose
 #: replays skip the hooks): under --cuda-graphs they get PIECEWISE graphs. Dynamo KVBM 1.6.1's
-#: save_kv_layer records a CUDA event per layer; kvbm's and the native connector's hooks are no-ops,
-#: and LMCache declares PIECEWISE itself when it is layerwise (not here).
+#: save_kv_layer records a CUDA event per layer; the native connector's hooks are no-ops, kvbm's
+#: wait only under load_mode layerwise ("ours_layerwise"), which declares PIECEWISE itself, as
+#: LMCache does when it is layerwise (not here).
 LAYER_HOOKS = ("dynamo",)
-SYSTEMS = ("recompute", "baseline", "native", "lmcache", "dynamo", "ours", "ours_sync", "ours_async")
+SYSTEMS = ("recompute", "baseline", "native", "lmcache", "dynamo", "ours", "ours_sync", "ours_async",
+           "ours_layerwise")
 
 
 def system_kwargs(name, g2_gb, pass_index=0):
@@ -82,9 +84,9 @@ def system_kwargs(name, g2_gb, pass_index=0):
         kw["kv_transfer_config"] = {"kv_connector": "DynamoConnector", "kv_role": "kv_both",
                                     "kv_connector_module_path": "kvbm.vllm_integration.connector"}
         env.update(DYN_KVBM_CPU_CACHE_GB=str(g2_gb), DYN_KVBM_METRICS="false")
-    elif name in ("ours", "ours_sync", "ours_async"):
+    elif name in ("ours", "ours_sync", "ours_async", "ours_layerwise"):
         # ours: the connector's defaults (load_mode auto: async under vLLM's V2 runner or async
-        # scheduling); ours_sync / ours_async: the same with that load_mode
+        # scheduling); ours_sync / ours_async / ours_layerwise: the same with that load_mode
         kw["kv_transfer_config"] = json.loads(os.environ["OURS_KTC"])
         if name != "ours":
             # its own key namespace: the same service, but none of the "ours" run's blocks

@@ -53,6 +53,10 @@ class RegionSpecLike(Protocol):
     @property
     def engine_id(self) -> str: ...
 
+    @property
+    def layers(self) -> "tuple[LayerSpec, ...]":
+        """Every page of a block, in the region's page order."""
+
     def to_request(self) -> "pb.RegisterRegionRequest": ...
 
     @property

@@ -5,13 +5,18 @@ outcome (the vLLM scheduler role starts a load as soon as the engine allocated i
 and the worker role asks for the same plan again before the step's forward). Records are
 kept until the plan's deadline, after which no new job could start from that plan anyway.
 
+A load may run in layer groups (``TransferRequest.layer_groups``): its :class:`Landed` counts
+the pages of every block that are in the engine's memory, advanced on the event loop as the
+lane sees each group arrive; ``TransferLayers`` calls stream it. Invariant: ``Landed.pages``
+only grows, and never past ``pages_per_block``.
+
 Pure bookkeeping (no I/O): the job runner (:mod:`kvbm_worker.runner`) owns the tasks.
 """
 from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -39,6 +44,37 @@ class Moved:
     seconds: float
 
 
+MAX_LAYER_GROUPS = 64  # TransferRequest.layer_groups accepted at most
+
+
+def group_bounds(pages_per_block: int, groups: int) -> list[int]:
+    """The end page of each of ``groups`` layer groups: group ``g`` is pages
+    ``[g * P // groups, (g + 1) * P // groups)`` (none empty while ``groups <= P``)."""
+    groups = max(1, min(groups, pages_per_block))
+    return [(g + 1) * pages_per_block // groups for g in range(groups)]
+
+
+@dataclass(slots=True)
+class Landed:
+    """How many leading pages of every block of a load are in the engine's memory (on the
+    event loop; see the module docstring). ``waiter()`` is set at the next advance."""
+
+    pages_per_block: int
+    groups: int = 1
+    pages: int = 0
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def advance(self, pages: int) -> None:
+        if pages <= self.pages:
+            return
+        self.pages = min(pages, self.pages_per_block)
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    def waiter(self) -> asyncio.Event:
+        return self._changed
+
+
 @dataclass(slots=True)
 class Job:
     key: JobKey
@@ -46,6 +82,7 @@ class Job:
     engine_blocks: EngineBlocks
     deadline: float  # the plan's, CLOCK_MONOTONIC seconds
     task: "asyncio.Future[Moved]"
+    landed: Landed | None = None  # a load run in layer groups
 
     def same_target(self, region_id: str, engine_blocks: EngineBlocks) -> bool:
         return region_id == self.region_id and np.array_equal(engine_blocks, self.engine_blocks)

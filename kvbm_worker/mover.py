@@ -10,6 +10,11 @@ CPU engine's shared memory; :class:`~.handlers.cuda.CudaMover` for CUDA IPC regi
 Order within a batch: demotions, promotions, then the entries (a STORE may reuse the host
 slot of a block it first demotes to disk).
 
+Layer groups (a LOAD from G2 with a :class:`Grouping`): the pages of every block move group
+by group in page order, and ``Grouping.landed`` is called with a group's end page once its
+bytes are in the engine's memory, so the engine's forward of a layer waits only for that
+layer (``TransferLayers``). The time check at the end still decides the job's outcome.
+
 Integrity (every G3 slot; G2 slots with ``host_checksums``): a slot's xxh3-64 is computed
 on the lane from the bytes written (:mod:`.checksums`) and checked after every read, before
 the bytes reach the engine or G2; a mismatch or a failed read raises
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import mmap
 import time
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import numpy as np
@@ -52,6 +58,16 @@ class Pending(Protocol):
     """A copy a medium started; ``wait()`` returns once its bytes arrived."""
 
     def wait(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Grouping:
+    """Run a load in page groups: ``bounds`` are the groups' end pages (increasing, the last
+    one the region's pages per block); ``landed(end)`` is called on the lane thread once every
+    block's pages ``[0, end)`` are in the engine's memory."""
+
+    bounds: list[int]
+    landed: Callable[[int], object]
 
 
 class Done:
@@ -146,15 +162,18 @@ class BlockMover:
         cpu.gather(region, blocks, rows, picks)
         return DONE
 
-    def _from_slots(self, region: EngineRegion, blocks: EngineBlocks, rows: Rows, picks: Ids) -> Pending:
-        """Every layer's page of engine block ``blocks[i]`` <- ``rows[picks[i]]``."""
-        cpu.scatter(rows, picks, region, blocks)
+    def _from_slots(self, region: EngineRegion, blocks: EngineBlocks, rows: Rows, picks: Ids,
+                    pages: tuple[int, int] | None = None) -> Pending:
+        """Every layer's page (``pages``: those in ``[lo, hi)``) of engine block ``blocks[i]``
+        <- ``rows[picks[i]]``."""
+        cpu.scatter(rows, picks, region, blocks, pages)
         return DONE
 
     # ------------------------------------------------------------------ the template
-    def run(self, batch: Batch, region: EngineRegion | None, until: float) -> int:
+    def run(self, batch: Batch, region: EngineRegion | None, until: float, grouping: Grouping | None = None) -> int:
         """Execute ``batch``; returns the bytes moved. Raises :class:`SlotsFailed`,
-        :class:`CopyExpired`, ``OSError`` (disk) or the medium's errors."""
+        :class:`CopyExpired`, ``OSError`` (disk) or the medium's errors. ``grouping``: a LOAD
+        whose entries are all in G2 runs in those page groups (else it is ignored)."""
         self._enter_lane(region)
         moved = self._demote(batch, until) + self._promote(batch, until)
         if batch.kind in (PlanKind.DEMOTE, PlanKind.PROMOTE):
@@ -166,7 +185,8 @@ class BlockMover:
             if not len(blocks):
                 continue
             if tier is Tier.HOST:
-                self._engine_host(batch.kind, region, blocks, slots, until)
+                grouped = grouping if batch.kind is PlanKind.LOAD and not len(batch.entries(Tier.DISK)[0]) else None
+                self._engine_host(batch.kind, region, blocks, slots, until, grouped)
             elif batch.kind is PlanKind.STORE:
                 self._store_disk(region, blocks, slots, until, batch.job)
             else:
@@ -197,20 +217,35 @@ class BlockMover:
 
     # ------------------------------------------------------------------ engine <-> G2
     def _engine_host(self, kind: PlanKind, region: EngineRegion, blocks: EngineBlocks, slots: Slots,
-                     until: float) -> None:
-        """Chunk k+1 is issued while chunk k is in flight (an asynchronous medium keeps its copy
-        queue busy); the time is checked before each chunk is issued."""
+                     until: float, grouping: Grouping | None = None) -> None:
+        """Piece k+1 is issued while piece k is in flight (an asynchronous medium keeps its copy
+        queue busy); the time is checked before each piece is issued. A piece is a chunk of
+        blocks, or with ``grouping`` one group's pages of a chunk (groups outermost)."""
         host, sums = self._pool(), self.host_sums
+        per = HOST_CHUNK_BYTES // region.block_bytes
+        pieces: list[tuple[int, int, tuple[int, int] | None, bool]]
+        if grouping is None:
+            pieces = [(lo, hi, None, False) for lo, hi in chunks(len(blocks), per)]
+        else:
+            if sums is not None:  # every source is checked before the first group lands
+                for lo, hi in chunks(len(blocks), per):
+                    self._verify(sums, Tier.HOST, Slots(slots[lo:hi]), host.slots, Slots(slots[lo:hi]))
+            spans = chunks(len(blocks), per)
+            starts = [0, *grouping.bounds[:-1]]
+            pieces = [(lo, hi, (first, end), i == len(spans) - 1)
+                      for first, end in zip(starts, grouping.bounds) for i, (lo, hi) in enumerate(spans)]
         issued: list[Pending] = []
-        in_flight: tuple[Pending, Slots] | None = None
+        in_flight: tuple[Pending, Slots, tuple[int, int] | None, bool] | None = None
 
-        def settle(copy: Pending, to: Slots) -> None:
+        def settle(copy: Pending, to: Slots, pages: tuple[int, int] | None, group_done: bool) -> None:
             copy.wait()
             if sums is not None and kind is PlanKind.STORE:
                 sums.seal(to, host.slots, to)
+            if group_done and grouping is not None and pages is not None:
+                grouping.landed(pages[1])
 
         try:
-            for lo, hi in chunks(len(blocks), HOST_CHUNK_BYTES // region.block_bytes):
+            for lo, hi, pages, last in pieces:
                 self._check_time(until)
                 b, s = EngineBlocks(blocks[lo:hi]), Slots(slots[lo:hi])
                 if kind is PlanKind.STORE:
@@ -218,12 +253,15 @@ class BlockMover:
                         sums.forget(s)
                     issued.append(self._to_slots(region, b, host.slots, s))
                 else:
-                    if sums is not None:
+                    if sums is not None and grouping is None:
                         self._verify(sums, Tier.HOST, s, host.slots, s)
-                    issued.append(self._from_slots(region, b, host.slots, s))
+                    issued.append(self._from_slots(region, b, host.slots, s, pages))
                 if in_flight is not None:
                     settle(*in_flight)
-                in_flight = (issued[-1], s)
+                in_flight = (issued[-1], s, pages, last)
+                if issued[-1] is DONE:  # a synchronous medium: this piece is there already
+                    settle(*in_flight)
+                    in_flight = None
             if in_flight is not None:
                 settle(*in_flight)
         finally:

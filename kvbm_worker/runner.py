@@ -30,7 +30,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import AsyncIterator, Protocol
 
 import grpc
 
@@ -41,9 +41,9 @@ from kvbm_client.security import NodeKey, sign_ack
 from .allocation import PoolAllocator
 from .errors import CopyExpired, CopyFailed, JobFailed, PlanRejected, Refusal, SlotsFailed
 from .handlers.disk_guard import DiskHung
-from .jobs import Job, JobKey, JobTable, Moved
+from .jobs import MAX_LAYER_GROUPS, Job, JobKey, JobTable, Landed, Moved, group_bounds
 from .lanes import LaneFull, Lanes, LateStart, Ticket
-from .mover import BlockMover
+from .mover import BlockMover, Grouping
 from .plan_check import Batch, check_command, check_not_late, check_transfer
 from .region_registry import RegionRegistry
 from .regions import EngineRegion
@@ -103,6 +103,22 @@ class Counters:
         self.values[name] += amount
 
 
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """One ``Transfer``/``TransferLayers`` call: the job it started or joined."""
+
+    job: Job
+    region: EngineRegion
+    joined: bool
+    received: float  # perf_counter when the call arrived
+    transit: float  # seconds from the client's send to arrival
+
+    def response(self, moved: Moved) -> "pb.TransferResponse":
+        return pb.TransferResponse(job_id=self.job.key.job_id, bytes=moved.bytes, seconds=moved.seconds,
+                                   joined=self.joined, waited_seconds=time.perf_counter() - self.received,
+                                   transit_seconds=self.transit)
+
+
 class JobRunner:
     """Runs the jobs of one worker (see the module docstring). Owns the job table and the
     counters; borrows the lanes, the region registry, the pools and the leader gate."""
@@ -130,6 +146,32 @@ class JobRunner:
 
     # ------------------------------------------------------------------ Transfer
     async def transfer(self, request: "pb.TransferRequest") -> "pb.TransferResponse":
+        call = self._start_or_join(request)
+        moved = await asyncio.shield(call.job.task)
+        return call.response(moved)
+
+    async def transfer_layers(self, request: "pb.TransferRequest") -> AsyncIterator["pb.TransferProgress"]:
+        """``TransferLayers``: the job's landed pages as they grow, then its outcome. A job
+        that fails raises (after the pages that landed were reported: the caller's whole load
+        counts as failed)."""
+        call = self._start_or_join(request)
+        landed = call.job.landed
+        per_block = landed.pages_per_block if landed is not None else call.region.num_layers
+        sent = 0
+        while landed is not None and not call.job.task.done():
+            changed = landed.waiter()
+            if landed.pages > sent:
+                sent = landed.pages
+                yield pb.TransferProgress(pages_landed=sent, pages_per_block=per_block)
+                continue
+            waiter = asyncio.ensure_future(changed.wait())
+            await asyncio.wait((waiter, call.job.task), return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+        moved = await asyncio.shield(call.job.task)
+        yield pb.TransferProgress(pages_landed=per_block, pages_per_block=per_block, done=call.response(moved))
+
+    def _start_or_join(self, request: "pb.TransferRequest") -> "_Call":
+        """Check ``request`` and start its job, or join the job of the same plan."""
         received = time.perf_counter()
         transit = max(0.0, time.time() - request.sent_at) if request.sent_at else 0.0
         self._guard()
@@ -142,18 +184,20 @@ class JobRunner:
             if exc.code is Code.UNAVAILABLE:  # not attached to a leader: this daemon and the region are still here
                 raise PlanRejected(Code.ABORTED, exc.message, exc.job_id) from None
             raise
+        groups = self._layer_groups(request, batch, region)
         kind = batch.kind.name.lower()
         job = self._jobs.get(batch.job)
         joined = job is not None
         if job is None:
             check_not_late(batch, time.monotonic())
             ticket = self._admit(batch)
-            task = asyncio.ensure_future(self._run_job(batch, region, ticket))
+            landed = Landed(region.num_layers, groups) if groups > 1 else None
+            task = asyncio.ensure_future(self._run_job(batch, region, ticket, landed))
             task.add_done_callback(lambda t: t.cancelled() or t.exception())  # outcome read by the callers
-            job = self._jobs.add(Job(batch.job, region.region_id, batch.engine_blocks, batch.deadline, task),
+            job = self._jobs.add(Job(batch.job, region.region_id, batch.engine_blocks, batch.deadline, task, landed),
                                  time.monotonic())
-            log.debug("job %d %s: started, %d blocks (request in transit %.1f ms)", batch.job_id, kind,
-                      len(batch.engine_blocks), transit * 1e3)
+            log.debug("job %d %s: started, %d blocks%s (request in transit %.1f ms)", batch.job_id, kind,
+                      len(batch.engine_blocks), f" in {groups} layer groups" if groups > 1 else "", transit * 1e3)
         elif not job.same_target(region.region_id, batch.engine_blocks):
             raise PlanRejected(Code.INVALID_ARGUMENT,
                                f"job {batch.job_id} was submitted before with other engine blocks", batch.job_id)
@@ -161,16 +205,34 @@ class JobRunner:
             self.counters.add("jobs_joined")
             log.debug("job %d %s: joined (%s; request in transit %.1f ms)", batch.job_id, kind,
                       "done" if job.task.done() else "running", transit * 1e3)
-        moved = await asyncio.shield(job.task)
-        return pb.TransferResponse(job_id=batch.job_id, bytes=moved.bytes, seconds=moved.seconds, joined=joined,
-                                   waited_seconds=time.perf_counter() - received, transit_seconds=transit)
+        return _Call(job, region, joined, received, transit)
 
-    async def _run_job(self, batch: Batch, region: EngineRegion, ticket: Ticket) -> Moved:
+    @staticmethod
+    def _layer_groups(request: "pb.TransferRequest", batch: Batch, region: EngineRegion) -> int:
+        """The groups a new job of ``request`` runs in (1: whole blocks; more than the region's
+        pages per block: one page per group). Raises INVALID_ARGUMENT for a count over
+        :data:`MAX_LAYER_GROUPS` or on a plan that is not a load."""
+        groups = int(request.layer_groups)
+        if groups <= 1:
+            return 1
+        if batch.kind is not PlanKind.LOAD:
+            raise PlanRejected(Code.INVALID_ARGUMENT, f"job {batch.job_id}: layer_groups applies to loads only",
+                               batch.job_id)
+        if groups > MAX_LAYER_GROUPS:
+            raise PlanRejected(Code.INVALID_ARGUMENT,
+                               f"job {batch.job_id}: layer_groups={groups}, at most {MAX_LAYER_GROUPS}", batch.job_id)
+        groups = min(groups, region.num_layers)
+        if len(batch.entries(Tier.DISK)[0]):
+            return 1  # G3 reads land whole blocks (the bounce pipeline); the answer says when
+        return groups
+
+    async def _run_job(self, batch: Batch, region: EngineRegion, ticket: Ticket, landed: Landed | None = None
+                       ) -> Moved:
         """One transfer, whoever asked for it and whether or not they still wait. Raises
         :class:`JobFailed` with the status to answer."""
         try:
             with region.use():  # the region is not closed under this copy (else NOT_FOUND)
-                moved = await self._copy(batch, region, ticket)
+                moved = await self._copy(batch, region, ticket, landed)
         except CopyFailed as exc:
             self.counters.add("jobs_failed")
             if self._of_current_leader(batch):
@@ -203,7 +265,8 @@ class JobRunner:
             raise JobFailed(Code.ABORTED, f"job {batch.job_id}: bytes stored but the leader did not confirm them")
         return moved
 
-    async def _copy(self, batch: Batch, region: EngineRegion | None, ticket: Ticket) -> Moved:
+    async def _copy(self, batch: Batch, region: EngineRegion | None, ticket: Ticket,
+                    landed: Landed | None = None) -> Moved:
         """Steps 3 to 5 of the module docstring. Raises :class:`JobFailed` when the leader says
         no (nothing moved, nothing to report), :class:`CopyFailed` when the copy failed."""
         try:
@@ -218,7 +281,8 @@ class JobRunner:
             raise
         until = deadline if batch.kind in (PlanKind.LOAD, PlanKind.STORE) else deadline + GRACE_SHARE * self.gate.grace
         try:
-            nbytes, seconds = await self.lanes.run(ticket, deadline, self._on_lane, batch, region, until)
+            nbytes, seconds = await self.lanes.run(ticket, deadline, self._on_lane, batch, region, until,
+                                                   self._landed_from_lane(landed))
         except Exception as exc:
             raise self._failure(batch, exc) from None
         return Moved(nbytes, seconds)
@@ -234,7 +298,18 @@ class JobRunner:
             raise JobFailed(Code.FAILED_PRECONDITION, f"job {batch.job_id}: its leader {batch.job.leader_id} has "
                                                       "been replaced; nothing moved")
 
-    def _on_lane(self, batch: Batch, region: EngineRegion | None, until: float) -> int:
+    @staticmethod
+    def _landed_from_lane(landed: Landed | None) -> Grouping | None:
+        """What the mover needs to run a load in ``landed``'s groups, reporting each group's
+        pages to the event loop (the lane thread never touches ``landed`` itself)."""
+        if landed is None:
+            return None
+        loop = asyncio.get_running_loop()
+        return Grouping(group_bounds(landed.pages_per_block, landed.groups),
+                        lambda pages: loop.call_soon_threadsafe(landed.advance, pages))
+
+    def _on_lane(self, batch: Batch, region: EngineRegion | None, until: float,
+                 grouping: Grouping | None = None) -> int:
         """On the lane thread, after its deadline check: the pools and the leader must still
         be the plan's (a new leader numbers its epochs and jobs from 1 again)."""
         pools = self.pools.current
@@ -244,7 +319,7 @@ class JobRunner:
             raise Refusal(Code.FAILED_PRECONDITION, f"leader {batch.job.leader_id} was replaced while the job was "
                                                     "queued")
         mover: BlockMover = pools.mover
-        return mover.run(batch, region, until)
+        return mover.run(batch, region, until, grouping)
 
     def _failure(self, batch: Batch, exc: Exception) -> CopyFailed:
         job = f"job {batch.job_id}"

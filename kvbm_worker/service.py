@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Protocol
+from typing import Any, AsyncIterator, Protocol
 
 import grpc
 
@@ -113,6 +113,14 @@ class WorkerService(rpc.WorkerServicer):  # type: ignore[misc]  # generated base
         except Refusal as exc:
             await self._refuse(context, exc)
             raise  # not reached: abort raises
+
+    async def TransferLayers(self, request: "pb.TransferRequest", context: Any
+                             ) -> AsyncIterator["pb.TransferProgress"]:
+        try:
+            async for progress in self.runner.transfer_layers(request):
+                yield progress
+        except Refusal as exc:
+            await self._refuse(context, exc)
 
     async def Command(self, request: "pb.CommandRequest", context: Any) -> "pb.CommandResponse":
         try:

@@ -22,8 +22,11 @@ def gather(region: EngineRegion, engine_blocks: Ids, rows: Rows, picks: Ids) -> 
         rows[picks, layer * page:(layer + 1) * page] = view[engine_blocks]
 
 
-def scatter(rows: Rows, picks: Ids, region: EngineRegion, engine_blocks: Ids) -> None:
-    """Every layer's page of engine block ``engine_blocks[i]`` <- ``rows[picks[i]]``."""
+def scatter(rows: Rows, picks: Ids, region: EngineRegion, engine_blocks: Ids,
+            pages: tuple[int, int] | None = None) -> None:
+    """Every layer's page (``pages``: those in ``[lo, hi)``) of engine block
+    ``engine_blocks[i]`` <- ``rows[picks[i]]``."""
     page = region.page_bytes
-    for layer, view in enumerate(region.layer_views):
-        view[engine_blocks] = rows[picks, layer * page:(layer + 1) * page]
+    lo, hi = pages if pages is not None else (0, len(region.layer_views))
+    for layer in range(lo, hi):
+        region.layer_views[layer][engine_blocks] = rows[picks, layer * page:(layer + 1) * page]

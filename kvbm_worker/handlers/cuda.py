@@ -113,11 +113,12 @@ class CudaMover(BlockMover):
         addrs = rows.ctypes.data + picks * rows.shape[1]
         return _Event(self.copier.copy(Direction.D2H, region, blocks, addrs, wait=False))
 
-    def _from_slots(self, region: EngineRegion, blocks: EngineBlocks, rows: Rows, picks: Ids) -> Pending:
+    def _from_slots(self, region: EngineRegion, blocks: EngineBlocks, rows: Rows, picks: Ids,
+                    pages: tuple[int, int] | None = None) -> Pending:
         if not isinstance(region, CudaEngineRegion):
-            return super()._from_slots(region, blocks, rows, picks)
+            return super()._from_slots(region, blocks, rows, picks, pages)
         addrs = rows.ctypes.data + picks * rows.shape[1]
-        return _Event(self.copier.copy(Direction.H2D, region, blocks, addrs, wait=False))
+        return _Event(self.copier.copy(Direction.H2D, region, blocks, addrs, wait=False, pages=pages))
 
     def close(self) -> None:
         copier = getattr(self, "copier", None)

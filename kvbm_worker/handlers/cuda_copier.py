@@ -150,21 +150,24 @@ class CudaCopier:
 
     # ------------------------------------------------------------------ entry
     def copy(self, direction: str, region: CudaEngineRegion, blocks: Sequence[int] | Addrs, host_addrs: Addrs,
-             wait: bool = True, mechanism: str | None = None) -> Any:
+             wait: bool = True, mechanism: str | None = None, pages: tuple[int, int] | None = None) -> Any:
         """``direction`` D2H: every layer's page of ``blocks[i]`` -> ``host_addrs[i]`` (slot layout,
-        layer by layer); H2D: the reverse. Returns the CUDA event of completion."""
+        layer by layer); H2D: the reverse. ``pages``: only the pages ``[lo, hi)`` of each block
+        (direct DMA: a gather falls back to it). Returns the CUDA event of completion."""
         import torch
         direction = Direction(direction)
         ids = EngineBlocks(np.asarray(blocks, dtype=np.int64))
         host_addrs = np.asarray(host_addrs, dtype=np.int64)
         stream = self.streams[direction]
         mech = self._choose(region, ids, host_addrs, CopyMechanism(mechanism or self.mechanism))
+        if pages is not None and mech is CopyMechanism.GATHER:
+            mech = CopyMechanism.BATCH if self._batch_ok is not False else CopyMechanism.RUNS
         self.last_mechanism = mech.value
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             if mech is CopyMechanism.GATHER:
                 self._gather(direction, region, ids, host_addrs, stream)
             else:
-                src, dst = self._pages(direction, region, ids, host_addrs)
+                src, dst = self._pages(direction, region, ids, host_addrs, pages)
                 self._dma(src, dst, region.page_bytes, direction is Direction.H2D, mech, stream)
             event = _event()
             event.record(stream)
@@ -191,10 +194,13 @@ class CudaCopier:
 
     # ------------------------------------------------------------------ direct DMA
     @staticmethod
-    def _pages(direction: Direction, region: CudaEngineRegion, blocks: EngineBlocks, host_addrs: Addrs
-               ) -> tuple[Addrs, Addrs]:
-        g1 = region.page_addresses(blocks).ravel()
-        host = (host_addrs[:, None] + np.arange(region.num_layers, dtype=np.int64)[None, :] * region.page_bytes).ravel()
+    def _pages(direction: Direction, region: CudaEngineRegion, blocks: EngineBlocks, host_addrs: Addrs,
+               pages: tuple[int, int] | None = None) -> tuple[Addrs, Addrs]:
+        lo, hi = pages if pages is not None else (0, region.num_layers)
+        if not 0 <= lo < hi <= region.num_layers:
+            raise ValueError(f"pages [{lo}, {hi}) outside the region's {region.num_layers} pages per block")
+        g1 = np.ascontiguousarray(region.page_addresses(blocks)[:, lo:hi]).ravel()
+        host = (host_addrs[:, None] + np.arange(lo, hi, dtype=np.int64)[None, :] * region.page_bytes).ravel()
         return (g1, host) if direction is Direction.D2H else (host, g1)
 
     def _dma(self, src: Addrs, dst: Addrs, unit: int, host_is_src: bool, mech: CopyMechanism, stream: Any) -> None:

@@ -66,3 +66,34 @@ def test_offload_then_onboard_elsewhere_bytes_equal(pool, layout, mechanism):
         assert torch.equal(old.index_select(bd, keep).view(torch.uint8),
                            new.index_select(bd, keep).view(torch.uint8)), "an onboard wrote elsewhere"
     copier.close()
+
+
+@pytest.mark.parametrize("layout", ["cross", "layers"])
+@pytest.mark.parametrize("mechanism", ["batch", "runs", "gather"])
+def test_onboard_in_page_groups_lands_only_those_pages(pool, layout, mechanism):
+    """Layer-pipelined loads: a copy of pages [lo, hi) writes exactly those pages of each block
+    (gather falls back to direct DMA for a page range)."""
+    host, pinned = pool
+    kv = make_kv(layout, NUM_BLOCKS, LAYERS)
+    fill_random(kv, seed=7)
+    region = local_region(kv, layout)
+    bb, page = region.block_bytes, region.page_bytes
+    copier = CudaCopier(0, pinned, mechanism)
+    src, dst = np.arange(0, 12), np.arange(30, 42)
+    slots = np.arange(12)
+    addrs = host.address + slots * host.geometry.slot_bytes
+    copier.copy("d2h", region, src, addrs)
+    fill_random(kv, seed=8)  # the destination blocks hold other bytes
+    old = [block_bytes(kv, layout, int(d)).clone() for d in dst]
+    first = region.num_layers // 2
+    copier.copy("h2d", region, dst, addrs, pages=(0, first))
+    for i, d in enumerate(dst):
+        now = block_bytes(kv, layout, int(d)).cpu().numpy()
+        assert np.array_equal(now[:first * page], host.slots[slots[i], :first * page]), "group 0 did not land"
+        assert np.array_equal(now[first * page:], old[i].cpu().numpy()[first * page:]), "group 0 wrote later pages"
+    copier.copy("h2d", region, dst, addrs, pages=(first, region.num_layers))
+    for i, d in enumerate(dst):
+        assert np.array_equal(block_bytes(kv, layout, int(d)).cpu().numpy(), host.slots[slots[i], :bb])
+    with pytest.raises(ValueError):
+        copier.copy("h2d", region, dst, addrs, pages=(0, region.num_layers + 1))
+    copier.close()

@@ -64,3 +64,36 @@ def test_disk_only_g1_g3_roundtrip(gpu_node):
     # 64 disk slots: bounce buffers of 32 + 32 rows, so 40 blocks take two pipelined chunks
     node = gpu_node(DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS="64")
     roundtrip(node, "layers", "layers", Tier.DISK)
+
+
+def test_layerwise_load_through_ipc(gpu_node):
+    """TransferLayers on a CUDA region: the daemon copies a G2 load in 3 page groups, streams
+    each group's end, and every block's bytes are equal at the end."""
+    from kvbm_client.channels import open_channel
+    from kvbm_client.contract import pb, rpc
+    from kvbm_client.leader_session import LeaderSession
+    node = gpu_node(DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS="64")
+    client = node.client()
+    kv = make_kv("cross", NUM_BLOCKS, LAYERS)
+    fill_random(kv, 1)
+    client.register_region("0", export_kv_cache(kv, block_dim=0))
+    client.wait_ready(60)
+    hs, src = keys(40, 3), list(range(3, 43))
+    ref = [block_bytes(kv, "cross", b).clone() for b in src]
+    client.wait(client.offload(hs, src))
+    fill_random(kv, 2)
+    with LeaderSession(node.leader_address, timeout=5) as session:
+        load = session.prepare_load(hs)
+        assert load.num_blocks == 40
+        stub = rpc.WorkerStub(open_channel(node.config().worker_address("0"), node.config()))
+        dst = list(range(50, 90))
+        request = pb.TransferRequest(region_id=client.region_id("0"), engine_blocks=dst, layer_groups=3,
+                                     plan=pb.SignedPlan(plan=load.signed.plan, signature=load.signed.signature))
+        messages = list(stub.TransferLayers(request, timeout=30))
+    pages = 2 * LAYERS  # K and V of each layer
+    landed = [m.pages_landed for m in messages]
+    assert landed == sorted(landed) and landed[-1] == pages and messages[-1].HasField("done"), landed
+    assert set(landed) <= {pages // 3, 2 * pages // 3, pages}
+    for d, r in zip(dst, ref):
+        assert torch.equal(block_bytes(kv, "cross", d), r), f"block {d} onboarded wrong bytes"
+    client.unregister_region("0")

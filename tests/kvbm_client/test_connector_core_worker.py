@@ -29,8 +29,9 @@ class FakeLink:
         self.failing = failing
         self.sent: list[tuple[bytes, float | None]] = []
 
-    def submit(self, plan, signature, blocks, timeout=None):
+    def submit(self, plan, signature, blocks, timeout=None, layer_groups=0):
         self.sent.append((plan, timeout))
+        self.layer_groups = layer_groups
         future: Future = Future()
         if plan in self.failing:
             future.set_exception(Refused())

@@ -46,7 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     e.add_argument("--dtype", default="float32")
     e.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto")
     e.add_argument("--cuda-graphs", action="store_true")
-    e.add_argument("--load-mode", choices=("auto", "sync", "async"), default="auto",
+    e.add_argument("--load-mode", choices=("auto", "sync", "async", "layerwise"), default="auto",
                    help="the connector's load_mode (auto: its default, see compat.auto_load_mode)")
     e.add_argument("--model-runner", choices=("default", "v1", "v2"), default="default",
                    help="vLLM's model runner (VLLM_USE_V2_MODEL_RUNNER; default: vLLM's choice)")

@@ -79,3 +79,24 @@ def test_failed_sync_loads_are_recomputed(vllm_python, tiny_model, baseline, kvb
     c = node.counters()
     assert c["kvbm_failed_jobs"] > 0, "no load was attempted, so nothing was tested"
     assert c.get("kvbm_onboard_blocks_h2d", 0) == 0
+
+
+@pytest.mark.parametrize("lying", [False, True], ids=["waits", "negative-control"])
+def test_layerwise_forward_waits_for_late_layers(vllm_python, tiny_model, baseline, kvbm_node, tmp_path, lying):
+    """``load_mode: layerwise`` with a worker whose later layer groups land 0.2 s late: the
+    forward of each layer waits for its pages, so the outputs stay the baseline's. Negative
+    control: the same worker reporting every page landed before copying them makes the
+    forward read pages that are not there yet, and the outputs differ (so the waits above are
+    what kept them equal). Cost-aware loads are off: the slow loads would otherwise turn later
+    hits into recomputes, and this test is about loads."""
+    faults = dict(GROUP_DELAY_SECS="0.2", **({"LAYERS_EARLY": "1"} if lying else {}))
+    node = kvbm_node(DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS="512", **fault_env(**faults))
+    result = run_engine(vllm_python, tiny_model, tmp_path / "layerwise.json", "--kvbm", "--rounds", "4",
+                        "--kvbm-extra", json.dumps({"load_mode": "layerwise", "layer_groups": 2,
+                                                      "cost_aware_loads": False}), env=node.env)
+    assert result["metrics"]["vllm:external_prefix_cache_hits"] > 0, "nothing was loaded: nothing was tested"
+    if lying:
+        assert outputs(result) != outputs(baseline)
+    else:
+        assert outputs(result) == outputs(baseline)
+        assert node.counters().get("kvbm_failed_jobs", 0) == 0

@@ -54,7 +54,8 @@ class _WorkerLink:
         if region_id is None:
             return False
         request = pb.TransferRequest(region_id=region_id, plan=pb.SignedPlan(plan=spec.plan, signature=spec.signature),
-                                     engine_blocks=spec.engine_blocks, sent_at=time.time())
+                                     engine_blocks=spec.engine_blocks, sent_at=time.time(),
+                                     layer_groups=spec.layer_groups)
         self.pending.append(self.stub.Transfer.future(request, timeout=max(self.timeout_s, 30.0)))
         return True
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -27,6 +28,7 @@ from ...ids import EngineBlockId, WorkerId
 from ...region_wire import RegionLease, register
 from ...regions import RegionSpecLike
 from ...security import region_digest
+from .layerwise import READER_THREADS, LayerwiseCall
 from .region_ids import EngineRegionIds
 from .settings import Backoff, ConnectorSettings
 
@@ -53,6 +55,7 @@ class RegionLink:
         self._backoff = Backoff(settings.retry_s)
         self._stop = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="kvbm-region-watchdog", daemon=True)
+        self._readers: ThreadPoolExecutor | None = None  # read TransferLayers streams
 
     @property
     def region_id(self) -> str | None:
@@ -71,17 +74,22 @@ class RegionLink:
             self._watchdog.start()
 
     def submit(self, plan: bytes, signature: bytes, blocks: list[EngineBlockId],
-               timeout: float | None = None) -> "grpc.Future[Any] | None":
+               timeout: float | None = None, layer_groups: int = 0) -> "grpc.Future[Any] | LayerwiseCall | None":
         """Send one signed plan for ``blocks``, answered within ``timeout`` seconds (default: the
-        old fixed wait); None when no region is registered now."""
+        old fixed wait); None when no region is registered now. ``layer_groups`` > 1: a load
+        copied in that many layer groups, its progress streamed (:class:`LayerwiseCall`)."""
         with self._lock:
             if not self._ensure_region():
                 return None
             assert self._lease is not None
             request = pb.TransferRequest(region_id=self._lease.region_id,
                                          plan=pb.SignedPlan(plan=plan, signature=signature),
-                                         engine_blocks=blocks, sent_at=time.time())
+                                         engine_blocks=blocks, sent_at=time.time(), layer_groups=max(0, layer_groups))
             wait = max(self.settings.timeout_s, 30.0) if timeout is None else timeout
+            if layer_groups > 1:
+                if self._readers is None:
+                    self._readers = ThreadPoolExecutor(READER_THREADS, thread_name_prefix="kvbm-layers")
+                return LayerwiseCall(self._stub.TransferLayers(request, timeout=wait), self._readers)
             future: grpc.Future[Any] = self._stub.Transfer.future(request, timeout=wait)
             return future
 
@@ -98,6 +106,9 @@ class RegionLink:
         with self._lock:
             self._drop_lease()
             self._channel.close()
+            if self._readers is not None:
+                self._readers.shutdown(wait=False)
+                self._readers = None
 
     # ------------------------------------------------------------------ under the lock
     def _ensure_region(self) -> bool:

@@ -203,7 +203,7 @@ class SchedulerCore:
         assert signed is not None, "a non-empty load handle carries its signed plan"
         spec = LoadSpec(RequestId(req_id), signed.plan, signed.signature,
                         [EngineBlockId(b) for b in block_ids[first:first + n]], sync=self.settings.sync_loads,
-                        deadline=state.load.deadline)
+                        deadline=state.load.deadline, layer_groups=self.settings.load_layer_groups)
         self._loads.append(spec)
         state.load_sent = True
         state.num_stored = max(state.num_stored, first + n)

@@ -20,6 +20,11 @@ class LoadMode(str, enum.Enum):
     #: while the request waits (vLLM's WAITING_FOR_REMOTE_KVS) and other requests keep
     #: running (no stall of their decodes)
     ASYNC = "async"
+    #: a synchronous load whose forward waits per layer: the daemon copies it in
+    #: ``layer_groups`` groups in layer order and the forward of layer L waits only for L's
+    #: pages (the engine's layer hooks; under CUDA graphs they need PIECEWISE). Never chosen
+    #: by ``auto``: a failed load is recomputed like a failed synchronous one.
+    LAYERWISE = "layerwise"
     #: the engine's connector picks one of the two (the configured default): synchronous
     #: unless the engine recomputes a failed synchronous load wrongly (see the vLLM connector's
     #: ``compat.auto_load_mode``). A resolved :class:`ConnectorSettings` never holds it.
@@ -27,6 +32,10 @@ class LoadMode(str, enum.Enum):
 
 
 LOAD_MODES = tuple(m.value for m in LoadMode)
+#: ``layer_groups`` default: 6 groups of a 36-layer model move 384 KiB per block and group
+#: (direct DMA stays near full speed), and the forward after the last group is a sixth of it.
+DEFAULT_LAYER_GROUPS = 6
+MAX_LAYER_GROUPS = 64  # the worker daemon's limit (kvbm_worker.jobs.MAX_LAYER_GROUPS)
 
 
 @dataclass(frozen=True)
@@ -54,11 +63,15 @@ class ConnectorSettings:
     cost_aware_loads: bool = True
     #: the prefill speed assumed until a step was measured (tokens/s; 0: unknown, load every hit)
     prefill_tokens_per_s: float = 0.0
+    #: ``load_mode`` layerwise: the groups of layers a load is copied in (2..64)
+    layer_groups: int = DEFAULT_LAYER_GROUPS
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "load_mode", _load_mode(self.load_mode))
         if self.load_mode is LoadMode.AUTO:
             raise ValueError("ConnectorSettings.load_mode: resolve 'auto' first (from_extra's auto_load_mode)")
+        if not 2 <= self.layer_groups <= MAX_LAYER_GROUPS:
+            raise ValueError(f"kv_connector_extra_config.layer_groups={self.layer_groups}: 2 to {MAX_LAYER_GROUPS}")
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any], default_namespace: str, engine_id: str = "",
@@ -78,11 +91,18 @@ class ConnectorSettings:
                    load_mode=auto_load_mode if mode is LoadMode.AUTO else mode,
                    early_loads=_flag("early_loads", extra.get("early_loads", True)),
                    cost_aware_loads=_flag("cost_aware_loads", extra.get("cost_aware_loads", cfg.cost_aware_loads)),
-                   prefill_tokens_per_s=float(extra.get("prefill_tokens_per_s", cfg.prefill_tokens_per_s)))
+                   prefill_tokens_per_s=float(extra.get("prefill_tokens_per_s", cfg.prefill_tokens_per_s)),
+                   layer_groups=_int("layer_groups", extra.get("layer_groups", DEFAULT_LAYER_GROUPS)))
 
     @property
     def sync_loads(self) -> bool:
-        return self.load_mode is LoadMode.SYNC
+        """Loads counted as computed in the step that prefills the rest (sync and layerwise)."""
+        return self.load_mode in (LoadMode.SYNC, LoadMode.LAYERWISE)
+
+    @property
+    def load_layer_groups(self) -> int:
+        """``TransferRequest.layer_groups`` of this engine's loads (0: whole blocks)."""
+        return self.layer_groups if self.load_mode is LoadMode.LAYERWISE else 0
 
     def worker_address(self, worker_id: str) -> str:
         return self.worker_address_template.replace("{id}", worker_id)
@@ -101,6 +121,13 @@ def _load_mode(value: Any) -> LoadMode:
         return LoadMode(str(value.value if isinstance(value, LoadMode) else value).lower())
     except ValueError:
         raise ValueError(f"kv_connector_extra_config.load_mode={value!r}: one of {', '.join(LOAD_MODES)}") from None
+
+
+def _int(name: str, value: Any) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"kv_connector_extra_config.{name}={value!r}: an integer") from None
 
 
 def _flag(name: str, value: Any) -> bool:

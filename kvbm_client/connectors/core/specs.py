@@ -28,6 +28,9 @@ class LoadSpec:
     #: the plan's deadline (the node's CLOCK_MONOTONIC seconds; 0: unknown): the worker side
     #: waits for the copy until then plus a margin (see :mod:`kvbm_client.connectors.core`).
     deadline: float = 0.0
+    #: > 1: a synchronous load copied in this many layer groups, each waited for by the
+    #: forward of its layers (``load_mode`` layerwise); 0: whole blocks
+    layer_groups: int = 0
 
 
 @dataclass

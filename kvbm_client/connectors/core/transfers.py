@@ -16,7 +16,11 @@ Invariants:
   daemon can still write its blocks (it stops the daemon) before they count as failed;
 * a finished request is reported finished sending only when none of its stores is in flight
   (the engine frees its blocks then, and no store reads a reused block);
-* after :meth:`TransferTracker.fence` no store is in flight.
+* after :meth:`TransferTracker.fence` no store is in flight;
+* a layer-pipelined load (:class:`~.layerwise.LayerwiseCall`) counts as failed when it
+  failed at any point, also after some of its pages landed, and when the engine's forward
+  did not wait for all of its pages (``settle_sync_loads(forward_waited=False)``): the
+  forward may have read pages before they landed.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from typing import Any, Callable, Iterable, Protocol
 import grpc
 
 from ...ids import EngineBlockId
+from .layerwise import LayerwiseCall
 from .specs import RequestId
 
 log = logging.getLogger("kvbm.connector")
@@ -113,6 +118,7 @@ class TransferTracker:
         self._store_refs: dict[RequestId, int] = {}  # stores in flight per request
         self._awaiting_send: set[RequestId] = set()  # finished requests whose frees wait
         self._load_errors: set[EngineBlockId] = set()
+        self._sync_failed = False  # a layerwise load of this step failed (settled) before the step's end
 
     # ------------------------------------------------------------------ loads
     def load_sent(self, req_id: RequestId, future: TransferFuture | None, blocks: list[EngineBlockId],
@@ -130,14 +136,37 @@ class TransferTracker:
         else:
             self._loads[req_id] = item
 
-    def settle_sync_loads(self) -> bool:
+    def wait_sync_pages(self, end: int, pages_per_block: int) -> None:
+        """The forward is about to read every block's pages ``[0, end)``: wait until they
+        landed for each layer-pipelined load of this step. One that did not (it failed, or
+        nothing came by its answer time) is settled now: its blocks become load errors and
+        the forward goes on over them (the engine recomputes them)."""
+        still = []
+        for item in self._sync_loads:
+            call = item.future
+            if isinstance(call, LayerwiseCall) and not call.wait_pages(end, pages_per_block, item.answer_by):
+                self._sync_failed |= not self._settle_load(item, "layerwise")
+                continue
+            still.append(item)
+        self._sync_loads = still
+
+    def settle_sync_loads(self, forward_waited: bool = True) -> bool:
         """Wait for this step's synchronous loads (sent first, so they ran in parallel);
-        returns whether any of them failed (or was never sent)."""
+        returns whether any of them failed (or was never sent). ``forward_waited`` False: the
+        forward did not wait for every page of the layer-pipelined ones, so they failed too."""
         items, self._sync_loads = self._sync_loads, []
-        ok = True
+        failed, self._sync_failed = self._sync_failed, False
         for item in items:
-            ok &= self._settle_load(item, "sync")
-        return not ok
+            layerwise = isinstance(item.future, LayerwiseCall)
+            ok = self._settle_load(item, "layerwise" if layerwise else "sync")
+            if ok and layerwise and not forward_waited:
+                log.error("kvbm: the engine's forward did not wait for every layer of a layer-pipelined load of "
+                          "%s (its layer hooks did not run: FULL CUDA graphs?); its %d blocks are recomputed",
+                          item.req_ids[0], len(item.engine_blocks))
+                self._load_errors.update(item.engine_blocks)
+                ok = False
+            failed |= not ok
+        return failed
 
     def _settle_load(self, item: InFlight, mode: str) -> bool:
         """Whether the load succeeded."""

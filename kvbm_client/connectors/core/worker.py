@@ -8,7 +8,9 @@ per step:
 1. :meth:`WorkerCore.fence` when the step's plan says so (a preempted request's blocks may
    be rewritten by this step's forward: stores that read them must be done first);
 2. :meth:`WorkerCore.start_loads` before the forward (synchronous loads are waited for
-   there: the daemon answers after its copy finished, so the forward reads loaded pages);
+   there: the daemon answers after its copy finished, so the forward reads loaded pages;
+   layer-pipelined ones with ``wait=False``, then :meth:`WorkerCore.wait_pages` before each
+   layer's forward and :meth:`WorkerCore.wait_loads` once the forward is enqueued);
 3. :meth:`WorkerCore.start_stores` once the step's KV is written (or with ``ready``, a
    wait for that, run on a helper thread: vLLM 0.26 on a GPU returns before the forward ran);
    dropped when a synchronous load of the step (or of the ``overlapping_steps - 1`` before
@@ -41,7 +43,7 @@ from .region_link import RegionLink
 from .settings import ConnectorSettings
 from .specs import LoadSpec, RequestId, StoreSpec
 from .tracing import trace, tracing
-from .transfers import InFlight, TransferTracker
+from .transfers import InFlight, TransferFuture, TransferTracker
 
 log = logging.getLogger("kvbm.connector")
 
@@ -103,23 +105,31 @@ class WorkerCore:
             self.daemon.learn()  # the process that may run these copies (a no-op while it runs)
         for spec in loads:
             due = answer_by(spec.deadline)
-            future = self._submit(spec.plan, spec.signature, spec.engine_blocks, due)
+            future = self._submit(spec.plan, spec.signature, spec.engine_blocks, due, spec.layer_groups)
             self.tracker.load_sent(spec.req_id, future, spec.engine_blocks, spec.sync, due, self._resend(spec))
         if wait:
             self.wait_loads()
 
-    def wait_loads(self) -> None:
+    def wait_pages(self, end: int, pages_per_block: int) -> None:
+        """Before the forward of a layer whose pages end at ``end``: wait until every
+        layer-pipelined load of the step landed them (see :meth:`TransferTracker.wait_sync_pages`)."""
+        self.tracker.wait_sync_pages(end, pages_per_block)
+
+    def wait_loads(self, forward_waited: bool = True) -> None:
         """Wait for the synchronous loads sent; failed ones are in :meth:`take_load_errors`,
-        and this step's stores (and those of the overlapping steps) are dropped."""
-        if self.tracker.settle_sync_loads():
+        and this step's stores (and those of the overlapping steps) are dropped.
+        ``forward_waited`` False: the forward did not wait for every page of the step's
+        layer-pipelined loads (they fail)."""
+        if self.tracker.settle_sync_loads(forward_waited):
             self._tainted_steps = self.overlapping_steps
 
-    def _resend(self, spec: LoadSpec) -> Callable[[float], "grpc.Future[Any] | None"]:
+    def _resend(self, spec: LoadSpec) -> Callable[[float], "TransferFuture | None"]:
         return lambda due: self._submit(spec.plan, spec.signature, spec.engine_blocks, due)
 
     def _submit(self, plan: bytes, signature: bytes, blocks: list[EngineBlockId],
-                due: float) -> "grpc.Future[Any] | None":
-        return self.link.submit(plan, signature, blocks, timeout=max(0.1, due - time.monotonic()))
+                due: float, layer_groups: int = 0) -> "TransferFuture | None":
+        return self.link.submit(plan, signature, blocks, timeout=max(0.1, due - time.monotonic()),
+                                layer_groups=layer_groups)
 
     def _stop_daemon(self, item: InFlight) -> None:
         """A load got no answer by its deadline plus the margin: the daemon is stopped, frozen
@@ -208,10 +218,13 @@ class WorkerCore:
 def _trace_load(req_id: RequestId, item: InFlight, answer: Any, mode: str) -> None:
     if not tracing() or not item.engine_blocks:
         return
-    daemon = {} if not isinstance(answer, pb.TransferResponse) else {
+    daemon: dict[str, Any] = {} if not isinstance(answer, pb.TransferResponse) else {
         "joined": answer.joined, "copy_ms": round(answer.seconds * 1e3, 2),
         "in_daemon_ms": round(answer.waited_seconds * 1e3, 2),
         "transit_ms": round(answer.transit_seconds * 1e3, 2)}
+    landings = getattr(item.future, "landings", None)
+    if landings:  # a layer-pipelined load: when each group's pages landed (ms after the submit)
+        daemon["landed_ms"] = [round((t - item.submitted) * 1e3, 2) for t, _ in landings]
     trace("load", req=req_id, blocks=len(item.engine_blocks), mode=mode,
           submit_to_done_ms=round((time.monotonic() - item.submitted) * 1e3, 2), **daemon)
 

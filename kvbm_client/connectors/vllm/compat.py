@@ -135,6 +135,26 @@ def block_pages(tensor):
     return tensor.as_strided((tensor.shape[0], page), (tensor.stride(0), 1), tensor.storage_offset())
 
 
+def _tensor_key(t) -> tuple:
+    """Tensors with equal keys are one tensor of the region (exported once)."""
+    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+
+
+def names_by_tensor(kv_caches: dict) -> list[list[str]]:
+    """vLLM's layer names grouped by the tensor they use, in :func:`gpu_region_spec`'s order."""
+    order: dict[tuple, list[str]] = {}
+    for name, t in kv_caches.items():
+        order.setdefault(_tensor_key(t), []).append(name)
+    return list(order.values())
+
+
+def cross_layer_names(kv_cache_config) -> list[list[str]]:
+    """The layer names of each index of vLLM's cross-layer buffer (its ``num_layers`` dim
+    follows ``kv_cache_config.kv_cache_tensors``; []: unknown)."""
+    tensors = getattr(kv_cache_config, "kv_cache_tensors", None) or []
+    return [list(getattr(t, "shared_by", []) or []) for t in tensors]
+
+
 def gpu_region_spec(tensors):
     """The CUDA IPC export of a GPU engine's KV cache: one tensor (vLLM 0.26 cross-layer buffer,
     ``register_cross_layers_kv_cache``) or one per layer (``register_kv_caches``); layers that
@@ -142,7 +162,7 @@ def gpu_region_spec(tensors):
     from ...cuda_export import export_kv_cache
     unique, seen = [], set()
     for t in tensors:
-        key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+        key = _tensor_key(t)
         if key not in seen:
             seen.add(key)
             unique.append(block_pages(t))

@@ -95,6 +95,12 @@ class KvbmConnector(KVConnectorBase_V1, SupportsHMA):
     def requires_kv_delivery(self) -> bool:  # a best-effort cache: never hold requests for it
         return False
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any] | None) -> bool:
+        """Layer-pipelined loads wait in ``wait_for_layer_load``, which FULL CUDA graphs skip
+        (vllm#29608): vLLM then runs PIECEWISE graphs (attention outside the graphs)."""
+        return configured_load_mode(extra_config or {}) is LoadMode.LAYERWISE
+
     @property
     def prefer_cross_layer_blocks(self) -> bool:
         """vLLM 0.26 (GPU): ask for one cross-layer buffer, so a block is one contiguous run."""
@@ -113,18 +119,18 @@ class KvbmConnector(KVConnectorBase_V1, SupportsHMA):
         if not self._enabled:
             return
         if compat.is_cuda(self._vllm_config):
-            self._register_gpu(list(kv_caches.values()))
+            self._register_gpu(list(kv_caches.values()), compat.names_by_tensor(kv_caches))
             return
         shm = self._shm
         spec = region_from_kv_caches(kv_caches, shm.fd if shm and shm.tensor is not None else None,
                                      shm.tensor if shm else None)
-        self._worker_role.set_region(spec)
+        self._worker_role.set_region(spec, names_by_tensor=[[name] for name in kv_caches])
 
     def register_cross_layers_kv_cache(self, kv_cache, attn_backend=None) -> None:
         """vLLM 0.26 with ``prefer_cross_layer_blocks``: one buffer for every layer."""
-        self._register_gpu([kv_cache])
+        self._register_gpu([kv_cache], compat.cross_layer_names(getattr(self, "_kv_cache_config", None)))
 
-    def _register_gpu(self, tensors: list) -> None:
+    def _register_gpu(self, tensors: list, names_by_tensor: list[list[str]]) -> None:
         if not self._enabled:
             return
         try:
@@ -132,7 +138,7 @@ class KvbmConnector(KVConnectorBase_V1, SupportsHMA):
         except ValueError as exc:
             log.warning("kvbm: cannot export the engine's KV cache (%s); serving without kvbm", exc)
             spec = None
-        self._worker_role.set_region(spec, cuda=True)
+        self._worker_role.set_region(spec, cuda=True, names_by_tensor=names_by_tensor)
 
     def handle_preemptions(self, kv_connector_metadata=None, *args, **kwargs) -> None:
         self._worker_role.fence_if_needed(kv_connector_metadata)
@@ -148,7 +154,8 @@ class KvbmConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker_role.start_loads(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None
+        if self._worker is not None:
+            self._worker.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
         return None

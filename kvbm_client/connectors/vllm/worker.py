@@ -13,16 +13,24 @@ are reported in ``finished_sending`` so vLLM frees their blocks only then. Loads
 step's forward is enqueued; an asynchronous one is reported in ``finished_recving`` by the
 first ``get_finished`` that finds it done. Failed loads come back through
 ``get_block_ids_with_load_errors`` and vLLM recomputes them.
+
+Layer-pipelined loads (``load_mode`` layerwise): ``start_load_kv`` only sends them;
+``wait_for_layer_load`` waits until the layer's pages landed (:func:`layer_page_ends` maps
+vLLM's layer names to the region's pages), and ``wait_for_save`` (or ``get_finished``, if
+vLLM skipped it) settles them before any store of the step is sent. A step whose forward did
+not wait for the last layer (its hooks did not run) counts its layer-pipelined loads as failed.
 """
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable
+import time
+from typing import Any, Callable, Sequence
 
 from ...ids import EngineBlockId, WorkerId
 from ...regions import LayerSpec, RegionSpec, RegionSpecLike
-from ..core.settings import ConnectorSettings
+from ..core.settings import ConnectorSettings, LoadMode
+from ..core.tracing import trace, tracing
 from ..core.worker import WorkerCore
 from .metadata import KvbmConnectorMetadata
 
@@ -59,6 +67,17 @@ def region_from_kv_caches(kv_caches: dict[str, Any], memfd: int | None, base_ten
                       engine_id=f"vllm-{os.getpid()}")
 
 
+def layer_page_ends(names_by_tensor: Sequence[Sequence[str]], pages_per_block: int) -> dict[str, int]:
+    """vLLM layer name -> the end of its pages in a block of the region: tensor ``i`` (in the
+    region's order) holds pages ``[i * P / n, (i + 1) * P / n)``. Empty when the pages do not
+    split evenly over the tensors (then every layer waits for the whole load)."""
+    n = len(names_by_tensor)
+    if n == 0 or pages_per_block % n:
+        return {}
+    per = pages_per_block // n
+    return {name: (i + 1) * per for i, names in enumerate(names_by_tensor) for name in names}
+
+
 class KvbmConnectorWorker:
     """vLLM's worker-side connector hooks, translated for the core.
 
@@ -75,15 +94,57 @@ class KvbmConnectorWorker:
         self.core = WorkerCore(WorkerId(worker_id), settings, overlapping_steps=overlapping_steps)
         self.ordered_loads = ordered_loads
         self.cuda = False
+        self.layerwise = settings.load_mode is LoadMode.LAYERWISE
+        self._page_ends: dict[str, int] = {}
+        self._pages_per_block = 0
+        self._pending = False  # layer-pipelined loads of this step not settled yet
+        self._waited_end = 0  # pages the forward waited for in this step
+        self._waited_s = 0.0
 
-    def set_region(self, spec: RegionSpecLike | None, cuda: bool = False) -> None:
-        """``spec``: a :class:`RegionSpec` (CPU, sealed memfd) or a ``CudaRegionSpec`` (GPU, CUDA IPC)."""
+    def set_region(self, spec: RegionSpecLike | None, cuda: bool = False,
+                   names_by_tensor: Sequence[Sequence[str]] = ()) -> None:
+        """``spec``: a :class:`RegionSpec` (CPU, sealed memfd) or a ``CudaRegionSpec`` (GPU, CUDA IPC);
+        ``names_by_tensor``: vLLM's layer names of each of the region's tensors, in its order."""
         self.cuda = cuda
+        if spec is not None:
+            self._pages_per_block = len(spec.layers)
+            self._page_ends = layer_page_ends(names_by_tensor, self._pages_per_block)
+            if self.layerwise and not self._page_ends:
+                log.warning("kvbm: the KV cache's %d pages per block do not split over its %d layer tensors; "
+                            "layer-pipelined loads wait for the whole load before the first layer",
+                            self._pages_per_block, len(names_by_tensor))
         self.core.set_region(spec)
 
     def start_loads(self, meta: KvbmConnectorMetadata) -> None:
         ready = self._earlier_steps_ran if self.cuda and self.ordered_loads else None
-        self.core.start_loads(meta.loads, ready=ready)
+        self.settle_layers()  # (a step whose end vLLM did not report: nothing is left pending)
+        self.core.start_loads(meta.loads, wait=not self.layerwise, ready=ready)
+        self._pending = self.layerwise and bool(meta.loads)
+        self._waited_end, self._waited_s = 0, 0.0
+
+    def wait_layer(self, layer_name: str) -> None:
+        """vLLM's ``wait_for_layer_load``: the layer's pages of this step's loads landed."""
+        if not self._pending:
+            return
+        end = self._page_ends.get(layer_name, self._pages_per_block)
+        if end <= self._waited_end:
+            return
+        t0 = time.perf_counter()
+        self.core.wait_pages(end, self._pages_per_block)
+        self._waited_s += time.perf_counter() - t0
+        self._waited_end = end
+
+    def settle_layers(self) -> None:
+        """Settle this step's layer-pipelined loads (idempotent): once the forward is enqueued,
+        before any store of the step is sent."""
+        if not self._pending:
+            return
+        self._pending = False
+        waited = self._waited_end >= self._pages_per_block > 0
+        self.core.wait_loads(forward_waited=waited)
+        if tracing():
+            trace("layer_waits", waited_ms=round(self._waited_s * 1e3, 2), pages=self._waited_end,
+                  of=self._pages_per_block)
 
     @staticmethod
     def _earlier_steps_ran() -> None:
@@ -93,6 +154,7 @@ class KvbmConnectorWorker:
         torch.cuda.current_stream().synchronize()
 
     def start_stores(self, meta: KvbmConnectorMetadata) -> None:
+        self.settle_layers()
         if meta.stores:
             self.core.start_stores(meta.stores, self._kv_written() if self.cuda else None)
 
@@ -114,6 +176,7 @@ class KvbmConnectorWorker:
 
     def finished(self, meta: KvbmConnectorMetadata | None) -> tuple[set[str] | None, set[str] | None]:
         """(finished_sending, finished_recving) for vLLM's ``get_finished``."""
+        self.settle_layers()
         sending, recving = self.core.finished(meta.delayed_frees if meta is not None else ())
         return (set(sending) or None), (set(recving) or None)
 

@@ -22,6 +22,10 @@
   or frozen mid-copy).
 * ``KVBM_FAULT_FAIL=kind:nth[,...]``: the nth job of that kind fails on its lane with EIO
   before it moves a byte.
+* ``KVBM_FAULT_GROUP_DELAY_SECS=S``: a load run in layer groups copies each group after the
+  first S seconds late (the engine's forward must wait for the later layers' pages).
+* ``KVBM_FAULT_LAYERS_EARLY=1``: a load run in layer groups reports all its pages landed
+  before it copies a byte (a lying daemon: the negative control of the layer waits).
 * ``KVBM_FAULT_LOG=PATH``: one line per injected fault is appended there (a test asserts that
   its fault was injected at all).
 
@@ -115,11 +119,32 @@ def _patch_mover(module: ModuleType) -> None:
     mover = module.BlockMover
     corrupt, fail = _flag("KVBM_FAULT_CORRUPT_LOADS"), _flag("KVBM_FAULT_FAIL_LOADS")
     delay = _number("KVBM_FAULT_COPY_DELAY_SECS")
+    group_delay, early = _number("KVBM_FAULT_GROUP_DELAY_SECS"), _flag("KVBM_FAULT_LAYERS_EARLY")
+    if group_delay:
+        slow_from = mover._from_slots
+
+        def late_groups(self: Any, region: Any, blocks: Any, rows: Any, picks: Any, pages: Any = None) -> Any:
+            if pages is not None and pages[0] > 0:
+                note(f"group delay: pages [{pages[0]}, {pages[1]}) of {len(blocks)} blocks {group_delay:g}s late")
+                time.sleep(group_delay)
+            return slow_from(self, region, blocks, rows, picks, pages)
+
+        mover._from_slots = late_groups
+    if early:
+        early_run = mover.run
+
+        def lying_run(self: Any, batch: Any, region: Any, until: float, grouping: Any = None) -> int:
+            if grouping is not None:
+                note(f"layers early: {grouping.bounds[-1]} pages reported landed before the copy")
+                grouping.landed(grouping.bounds[-1])
+            return int(early_run(self, batch, region, until, grouping))
+
+        mover.run = lying_run
     if corrupt or fail:
         from_slots = mover._from_slots
 
-        def faulty_from_slots(self: Any, region: Any, blocks: Any, rows: Any, picks: Any) -> Any:
-            done = from_slots(self, region, blocks, rows, picks)
+        def faulty_from_slots(self: Any, region: Any, blocks: Any, rows: Any, picks: Any, pages: Any = None) -> Any:
+            done = from_slots(self, region, blocks, rows, picks, pages)
             done.wait()
             for view in region.layer_views:  # CPU regions only (a CUDA region has none)
                 view[blocks] = 0
@@ -131,17 +156,17 @@ def _patch_mover(module: ModuleType) -> None:
     if delay:
         run = mover.run
 
-        def slow_run(self: Any, batch: Any, region: Any, until: float) -> int:
+        def slow_run(self: Any, batch: Any, region: Any, until: float, grouping: Any = None) -> int:
             time.sleep(delay)
-            return int(run(self, batch, region, until))
+            return int(run(self, batch, region, until, grouping))
 
         mover.run = slow_run
     if JOBS:
         inner = mover.run
 
-        def faulty_run(self: Any, batch: Any, region: Any, until: float) -> int:
+        def faulty_run(self: Any, batch: Any, region: Any, until: float, grouping: Any = None) -> int:
             JOBS.before(batch)
-            return int(inner(self, batch, region, until))
+            return int(inner(self, batch, region, until, grouping))
 
         mover.run = faulty_run
         _patch_chunks(mover)

@@ -461,16 +461,28 @@ class UnregisterRegionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class TransferRequest(_message.Message):
-    __slots__ = ("region_id", "plan", "engine_blocks", "sent_at")
+    __slots__ = ("region_id", "plan", "engine_blocks", "sent_at", "layer_groups")
     REGION_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     ENGINE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SENT_AT_FIELD_NUMBER: _ClassVar[int]
+    LAYER_GROUPS_FIELD_NUMBER: _ClassVar[int]
     region_id: str
     plan: SignedPlan
     engine_blocks: _containers.RepeatedScalarFieldContainer[int]
     sent_at: float
-    def __init__(self, region_id: _Optional[str] = ..., plan: _Optional[_Union[SignedPlan, _Mapping]] = ..., engine_blocks: _Optional[_Iterable[int]] = ..., sent_at: _Optional[float] = ...) -> None: ...
+    layer_groups: int
+    def __init__(self, region_id: _Optional[str] = ..., plan: _Optional[_Union[SignedPlan, _Mapping]] = ..., engine_blocks: _Optional[_Iterable[int]] = ..., sent_at: _Optional[float] = ..., layer_groups: _Optional[int] = ...) -> None: ...
+
+class TransferProgress(_message.Message):
+    __slots__ = ("pages_landed", "pages_per_block", "done")
+    PAGES_LANDED_FIELD_NUMBER: _ClassVar[int]
+    PAGES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    pages_landed: int
+    pages_per_block: int
+    done: TransferResponse
+    def __init__(self, pages_landed: _Optional[int] = ..., pages_per_block: _Optional[int] = ..., done: _Optional[_Union[TransferResponse, _Mapping]] = ...) -> None: ...
 
 class TransferResponse(_message.Message):
     __slots__ = ("job_id", "bytes", "seconds", "joined", "waited_seconds", "transit_seconds")

@@ -640,6 +640,11 @@ class WorkerStub:
                 request_serializer=kvbm_dot_v1_dot_kvbm__pb2.TransferRequest.SerializeToString,
                 response_deserializer=kvbm_dot_v1_dot_kvbm__pb2.TransferResponse.FromString,
                 _registered_method=True)
+        self.TransferLayers = channel.unary_stream(
+                '/kvbm.v1.Worker/TransferLayers',
+                request_serializer=kvbm_dot_v1_dot_kvbm__pb2.TransferRequest.SerializeToString,
+                response_deserializer=kvbm_dot_v1_dot_kvbm__pb2.TransferProgress.FromString,
+                _registered_method=True)
         self.Command = channel.unary_unary(
                 '/kvbm.v1.Worker/Command',
                 request_serializer=kvbm_dot_v1_dot_kvbm__pb2.CommandRequest.SerializeToString,
@@ -675,6 +680,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TransferLayers(self, request, context):
+        """Transfer with progress: the engine's forward of layer L waits only for L's pages (vLLM's
+        wait_for_layer_load); the same job table, checks and status codes as Transfer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Command(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -704,6 +717,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Transfer,
                     request_deserializer=kvbm_dot_v1_dot_kvbm__pb2.TransferRequest.FromString,
                     response_serializer=kvbm_dot_v1_dot_kvbm__pb2.TransferResponse.SerializeToString,
+            ),
+            'TransferLayers': grpc.unary_stream_rpc_method_handler(
+                    servicer.TransferLayers,
+                    request_deserializer=kvbm_dot_v1_dot_kvbm__pb2.TransferRequest.FromString,
+                    response_serializer=kvbm_dot_v1_dot_kvbm__pb2.TransferProgress.SerializeToString,
             ),
             'Command': grpc.unary_unary_rpc_method_handler(
                     servicer.Command,
@@ -797,6 +815,33 @@ class Worker:
             '/kvbm.v1.Worker/Transfer',
             kvbm_dot_v1_dot_kvbm__pb2.TransferRequest.SerializeToString,
             kvbm_dot_v1_dot_kvbm__pb2.TransferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TransferLayers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvbm.v1.Worker/TransferLayers',
+            kvbm_dot_v1_dot_kvbm__pb2.TransferRequest.SerializeToString,
+            kvbm_dot_v1_dot_kvbm__pb2.TransferProgress.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,121 @@
+"""Layer-pipelined loads on the engine's side: a ``TransferLayers`` call read on a helper thread.
+
+Runs in an engine worker process. The worker daemon copies a load's blocks group by group in
+page (layer) order and streams how many leading pages of every block landed
+(``TransferProgress.pages_landed``); the engine's forward of layer L waits only until L's
+pages landed (:meth:`LayerwiseCall.wait_pages`, called from vLLM's ``wait_for_layer_load``).
+
+Invariants:
+* ``wait_pages`` never waits past the time it is given; it returns False when the pages did
+  not land by then or the call failed, and the caller then counts the whole load as failed;
+* only the final message (``done``) vouches for the bytes: pages that landed before a failure
+  were read by the forward, and the load is still a failure (the engine recomputes it);
+* a call is also a :class:`~.transfers.TransferFuture` (``done``/``result``/
+  ``add_done_callback``), so the tracker settles it like a ``Transfer`` future: ``result()``
+  returns the ``TransferResponse`` or raises the call's ``grpc.RpcError``.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Iterator
+
+import grpc
+
+from ...contract import pb
+
+#: Threads that read progress streams (one per load in flight; a load's reader ends with it).
+READER_THREADS = 64
+
+
+class StreamEnded(grpc.RpcError):
+    """The daemon closed a progress stream without an outcome (an older daemon, or a bug)."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNKNOWN
+
+    def details(self) -> str:
+        return "the worker daemon ended a TransferLayers stream without the job's outcome"
+
+
+class LayerwiseCall:
+    """One ``TransferLayers`` call: the pages landed so far, and the outcome to come.
+
+    Args:
+        stream: the call's response iterator (a ``grpc`` rendezvous: also cancellable).
+        readers: the pool whose thread reads it.
+    """
+
+    def __init__(self, stream: Iterator["pb.TransferProgress"], readers: ThreadPoolExecutor) -> None:
+        self._stream = stream
+        self._cond = threading.Condition()
+        self.pages_landed = 0
+        self.pages_per_block = 0
+        #: (monotonic seconds, pages landed) per progress message, for tracing
+        self.landings: list[tuple[float, int]] = []
+        self._outcome: Future[Any] = Future()
+        readers.submit(self._read)
+
+    def _read(self) -> None:
+        try:
+            for message in self._stream:
+                if message.HasField("done"):
+                    self._land(message.pages_per_block, message.pages_per_block)
+                    self._outcome.set_result(message.done)
+                    return
+                self._land(message.pages_landed, message.pages_per_block)
+            raise StreamEnded()
+        except grpc.RpcError as exc:
+            self._fail(exc)
+        except Exception as exc:  # noqa: BLE001 - a broken reader must not leave a waiter hanging
+            self._fail(exc)
+
+    def _land(self, pages: int, per_block: int) -> None:
+        with self._cond:
+            self.pages_per_block = per_block
+            if pages > self.pages_landed:
+                self.pages_landed = pages
+                self.landings.append((time.monotonic(), pages))
+            self._cond.notify_all()
+
+    def _fail(self, exc: BaseException) -> None:
+        if not self._outcome.done():
+            self._outcome.set_exception(exc)
+        with self._cond:
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------------ the engine's waits
+    def wait_pages(self, end: int, pages_per_block: int, until: float) -> bool:
+        """Wait until every block's first ``end`` of ``pages_per_block`` pages landed, the call
+        failed, or ``until`` (CLOCK_MONOTONIC) passed; whether the pages landed (a successful
+        outcome counts as all of them)."""
+        with self._cond:
+            while True:
+                if self._covered(end, pages_per_block):
+                    return True
+                if self._outcome.done():
+                    return self._outcome.exception() is None
+                left = until - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+
+    def _covered(self, end: int, pages_per_block: int) -> bool:
+        if self.pages_per_block and self.pages_per_block != pages_per_block:
+            return False  # another page count than the engine's: only the outcome counts
+        return self.pages_landed >= end
+
+    # ------------------------------------------------------------------ TransferFuture
+    def done(self) -> bool:
+        return self._outcome.done()
+
+    def result(self, timeout: float | None = None) -> Any:
+        return self._outcome.result(timeout)
+
+    def add_done_callback(self, fn: Callable[[Any], object]) -> None:
+        self._outcome.add_done_callback(lambda _f: fn(self))
+
+    def cancel(self) -> bool:
+        cancel = getattr(self._stream, "cancel", None)
+        return bool(cancel()) if callable(cancel) else False
