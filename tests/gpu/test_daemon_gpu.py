@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import grpc
 import pytest
 
 from gpu_support import cuda_ready
@@ -97,3 +98,40 @@ def test_layerwise_load_through_ipc(gpu_node):
     for d, r in zip(dst, ref):
         assert torch.equal(block_bytes(kv, "cross", d), r), f"block {d} onboarded wrong bytes"
     client.unregister_region("0")
+
+
+def test_layerwise_load_worker_killed_mid_load(gpu_node):
+    """kill -9 of the GPU worker between two layer groups of a load: the engine side's layer
+    wait returns at once with a failure (no hang), and the call fails (the engine recomputes)."""
+    import signal
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvbm_client.channels import open_channel
+    from kvbm_client.connectors.core.layerwise import LayerwiseCall
+    from kvbm_client.contract import pb, rpc
+    from kvbm_client.leader_session import LeaderSession
+    from support.fault_env import fault_env
+    node = gpu_node(DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS="64", **fault_env(GROUP_DELAY_SECS="3"))
+    client = node.client()
+    kv = make_kv("cross", NUM_BLOCKS, LAYERS)
+    fill_random(kv, 1)
+    client.register_region("0", export_kv_cache(kv, block_dim=0))
+    client.wait_ready(60)
+    hs = keys(20, 4)
+    client.wait(client.offload(hs, list(range(20))))
+    with LeaderSession(node.leader_address, timeout=5) as session:
+        load = session.prepare_load(hs)
+        stub = rpc.WorkerStub(open_channel(node.config().worker_address("0"), node.config()))
+        request = pb.TransferRequest(region_id=client.region_id("0"), engine_blocks=list(range(50, 70)),
+                                     layer_groups=2, plan=pb.SignedPlan(plan=load.signed.plan,
+                                                                        signature=load.signed.signature))
+        call = LayerwiseCall(stub.TransferLayers(request, timeout=60), ThreadPoolExecutor(1))
+        pages = 2 * LAYERS
+        assert call.wait_pages(pages // 2, pages, time.monotonic() + 30), node.log()[-3000:]
+        node.signal_worker("0", signal.SIGKILL)  # the second group is 3 s late: the worker dies first
+        t0 = time.monotonic()
+        assert not call.wait_pages(pages, pages, time.monotonic() + 30)
+        assert time.monotonic() - t0 < 5, "the engine side waited on a dead worker"
+        with pytest.raises(grpc.RpcError):
+            call.result(5)

@@ -121,15 +121,7 @@ def _patch_mover(module: ModuleType) -> None:
     delay = _number("KVBM_FAULT_COPY_DELAY_SECS")
     group_delay, early = _number("KVBM_FAULT_GROUP_DELAY_SECS"), _flag("KVBM_FAULT_LAYERS_EARLY")
     if group_delay:
-        slow_from = mover._from_slots
-
-        def late_groups(self: Any, region: Any, blocks: Any, rows: Any, picks: Any, pages: Any = None) -> Any:
-            if pages is not None and pages[0] > 0:
-                note(f"group delay: pages [{pages[0]}, {pages[1]}) of {len(blocks)} blocks {group_delay:g}s late")
-                time.sleep(group_delay)
-            return slow_from(self, region, blocks, rows, picks, pages)
-
-        mover._from_slots = late_groups
+        _delay_groups(mover, group_delay)
     if early:
         early_run = mover.run
 
@@ -172,6 +164,19 @@ def _patch_mover(module: ModuleType) -> None:
         _patch_chunks(mover)
 
 
+def _delay_groups(cls: Any, seconds: float) -> None:
+    """``KVBM_FAULT_GROUP_DELAY_SECS``: a page group after the first is copied ``seconds`` late."""
+    original = cls._from_slots
+
+    def late_groups(self: Any, region: Any, blocks: Any, rows: Any, picks: Any, pages: Any = None) -> Any:
+        if pages is not None and pages[0] > 0:
+            note(f"group delay: pages [{pages[0]}, {pages[1]}) of {len(blocks)} blocks {seconds:g}s late")
+            time.sleep(seconds)
+        return original(self, region, blocks, rows, picks, pages)
+
+    cls._from_slots = late_groups
+
+
 def _patch_chunks(cls: type) -> None:
     """Copy stalls inside a chunk: before the medium moves it (``_to_slots`` / ``_from_slots``)."""
     if not JOBS.copy_stalls:
@@ -188,6 +193,9 @@ def _patch_chunks(cls: type) -> None:
 
 def _patch_cuda(module: ModuleType) -> None:
     _patch_chunks(module.CudaMover)
+    group_delay = _number("KVBM_FAULT_GROUP_DELAY_SECS")
+    if group_delay:
+        _delay_groups(module.CudaMover, group_delay)
 
 
 class _DiskFaults:
