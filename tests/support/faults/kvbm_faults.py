@@ -22,8 +22,9 @@
   or frozen mid-copy).
 * ``KVBM_FAULT_FAIL=kind:nth[,...]``: the nth job of that kind fails on its lane with EIO
   before it moves a byte.
-* ``KVBM_FAULT_GROUP_DELAY_SECS=S``: a load run in layer groups copies each group after the
-  first S seconds late (the engine's forward must wait for the later layers' pages).
+* ``KVBM_FAULT_GROUP_DELAY_SECS=S``: a load run in layer groups lands each group after the
+  first S seconds late (CPU: its bytes are copied late, so the engine's forward must wait for
+  the later layers' pages; CUDA: its completion is reported late).
 * ``KVBM_FAULT_LAYERS_EARLY=1``: a load run in layer groups reports all its pages landed
   before it copies a byte (a lying daemon: the negative control of the layer waits).
 * ``KVBM_FAULT_LOG=PATH``: one line per injected fault is appended there (a test asserts that
@@ -121,7 +122,7 @@ def _patch_mover(module: ModuleType) -> None:
     delay = _number("KVBM_FAULT_COPY_DELAY_SECS")
     group_delay, early = _number("KVBM_FAULT_GROUP_DELAY_SECS"), _flag("KVBM_FAULT_LAYERS_EARLY")
     if group_delay:
-        _delay_groups(mover, group_delay)
+        _delay_groups(mover, group_delay, bytes_late=True)
     if early:
         early_run = mover.run
 
@@ -164,15 +165,28 @@ def _patch_mover(module: ModuleType) -> None:
         _patch_chunks(mover)
 
 
-def _delay_groups(cls: Any, seconds: float) -> None:
-    """``KVBM_FAULT_GROUP_DELAY_SECS``: a page group after the first is copied ``seconds`` late."""
+def _delay_groups(cls: Any, seconds: float, bytes_late: bool) -> None:
+    """``KVBM_FAULT_GROUP_DELAY_SECS``: a page group after the first lands ``seconds`` late.
+    ``bytes_late`` (the CPU medium, which copies when it is called): its bytes are copied that
+    late; else (CUDA, which only enqueues) its completion is reported that late."""
     original = cls._from_slots
 
-    def late_groups(self: Any, region: Any, blocks: Any, rows: Any, picks: Any, pages: Any = None) -> Any:
-        if pages is not None and pages[0] > 0:
-            note(f"group delay: pages [{pages[0]}, {pages[1]}) of {len(blocks)} blocks {seconds:g}s late")
+    class Late:
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def wait(self) -> None:
             time.sleep(seconds)
-        return original(self, region, blocks, rows, picks, pages)
+            self.inner.wait()
+
+    def late_groups(self: Any, region: Any, blocks: Any, rows: Any, picks: Any, pages: Any = None) -> Any:
+        if pages is None or pages[0] == 0:
+            return original(self, region, blocks, rows, picks, pages)
+        note(f"group delay: pages [{pages[0]}, {pages[1]}) of {len(blocks)} blocks {seconds:g}s late")
+        if bytes_late:
+            time.sleep(seconds)
+            return original(self, region, blocks, rows, picks, pages)
+        return Late(original(self, region, blocks, rows, picks, pages))
 
     cls._from_slots = late_groups
 
@@ -195,7 +209,7 @@ def _patch_cuda(module: ModuleType) -> None:
     _patch_chunks(module.CudaMover)
     group_delay = _number("KVBM_FAULT_GROUP_DELAY_SECS")
     if group_delay:
-        _delay_groups(module.CudaMover, group_delay)
+        _delay_groups(module.CudaMover, group_delay, bytes_late=False)
 
 
 class _DiskFaults:
