@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import mmap
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -52,6 +53,7 @@ from .runs import chunks, segments
 Ids = npt.NDArray[np.int64]
 Rows = npt.NDArray[np.uint8]
 HOST_CHUNK_BYTES = 256 << 20  # engine <-> G2 copies are cut here, to check the time in between
+GROUP_DEPTH = 3  # pieces of a layer-grouped load queued behind the one just issued
 
 
 class Pending(Protocol):
@@ -224,18 +226,24 @@ class BlockMover:
         host, sums = self._pool(), self.host_sums
         per = HOST_CHUNK_BYTES // region.block_bytes
         pieces: list[tuple[int, int, tuple[int, int] | None, bool]]
+        depth = 1  # pieces in flight behind the one just issued
         if grouping is None:
             pieces = [(lo, hi, None, False) for lo, hi in chunks(len(blocks), per)]
         else:
             if sums is not None:  # every source is checked before the first group lands
                 for lo, hi in chunks(len(blocks), per):
                     self._verify(sums, Tier.HOST, Slots(slots[lo:hi]), host.slots, Slots(slots[lo:hi]))
-            spans = chunks(len(blocks), per)
-            starts = [0, *grouping.bounds[:-1]]
-            pieces = [(lo, hi, (first, end), i == len(spans) - 1)
-                      for first, end in zip(starts, grouping.bounds) for i, (lo, hi) in enumerate(spans)]
+            # NOTE: a group's piece spans HOST_CHUNK_BYTES of its own pages (not of whole blocks),
+            # and GROUP_DEPTH pieces stay queued: a piece of a few ms of DMA must not wait for
+            # the lane's Python between pieces (measured on the H100: per-chunk pieces with one
+            # in flight copied 2.97 GB in 104 ms against 74 ms for whole blocks)
+            depth = GROUP_DEPTH
+            pieces = []
+            for first, end in zip([0, *grouping.bounds[:-1]], grouping.bounds):
+                spans = chunks(len(blocks), max(1, HOST_CHUNK_BYTES // ((end - first) * region.page_bytes)))
+                pieces += [(lo, hi, (first, end), i == len(spans) - 1) for i, (lo, hi) in enumerate(spans)]
         issued: list[Pending] = []
-        in_flight: tuple[Pending, Slots, tuple[int, int] | None, bool] | None = None
+        in_flight: deque[tuple[Pending, Slots, tuple[int, int] | None, bool]] = deque()
 
         def settle(copy: Pending, to: Slots, pages: tuple[int, int] | None, group_done: bool) -> None:
             copy.wait()
@@ -256,14 +264,12 @@ class BlockMover:
                     if sums is not None and grouping is None:
                         self._verify(sums, Tier.HOST, s, host.slots, s)
                     issued.append(self._from_slots(region, b, host.slots, s, pages))
-                if in_flight is not None:
-                    settle(*in_flight)
-                in_flight = (issued[-1], s, pages, last)
-                if issued[-1] is DONE:  # a synchronous medium: this piece is there already
-                    settle(*in_flight)
-                    in_flight = None
-            if in_flight is not None:
-                settle(*in_flight)
+                in_flight.append((issued[-1], s, pages, last))
+                # a synchronous medium's piece is there already; else keep ``depth`` queued
+                while in_flight and (len(in_flight) > depth or in_flight[-1][0] is DONE):
+                    settle(*in_flight.popleft())
+            while in_flight:
+                settle(*in_flight.popleft())
         finally:
             for copy in issued:  # nothing may still be copying once the job is answered
                 copy.wait()
