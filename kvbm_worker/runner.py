@@ -23,6 +23,9 @@ A job, once:
 Status codes of ``Transfer``: UNAVAILABLE only while this daemon shuts down (engines read it
 as "the daemon and its regions are gone"); a job that fails because the leader is away or
 did not confirm it is ABORTED (the daemon still holds the engine's region).
+``TransferLayers`` (a load run in layer groups, :class:`~.jobs.Landed`) takes the same checks
+and ends with the same codes; before its outcome it streams the pages landed so far, which
+never vouch for the bytes (only the outcome does).
 """
 from __future__ import annotations
 
@@ -165,8 +168,10 @@ class JobRunner:
                 yield pb.TransferProgress(pages_landed=sent, pages_per_block=per_block)
                 continue
             waiter = asyncio.ensure_future(changed.wait())
-            await asyncio.wait((waiter, call.job.task), return_when=asyncio.FIRST_COMPLETED)
-            waiter.cancel()
+            try:  # (a caller that goes away cancels this call here)
+                await asyncio.wait((waiter, call.job.task), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                waiter.cancel()
         moved = await asyncio.shield(call.job.task)
         yield pb.TransferProgress(pages_landed=per_block, pages_per_block=per_block, done=call.response(moved))
 

@@ -28,5 +28,7 @@ def scatter(rows: Rows, picks: Ids, region: EngineRegion, engine_blocks: Ids,
     ``engine_blocks[i]`` <- ``rows[picks[i]]``."""
     page = region.page_bytes
     lo, hi = pages if pages is not None else (0, len(region.layer_views))
+    if not 0 <= lo < hi <= len(region.layer_views):
+        raise ValueError(f"pages [{lo}, {hi}) outside the region's {len(region.layer_views)} pages per block")
     for layer in range(lo, hi):
         region.layer_views[layer][engine_blocks] = rows[picks, layer * page:(layer + 1) * page]

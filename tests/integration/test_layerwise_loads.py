@@ -169,3 +169,19 @@ def test_a_forward_that_did_not_wait_fails_its_layerwise_loads(make_node):
     assert tracker.settle_sync_loads(forward_waited=False) is True
     assert tracker.take_load_errors() == set(dst)
     assert call.result(1).bytes == 6 * LAYERS * PAGE  # the copy itself went fine
+
+
+def test_a_caller_that_cancels_its_stream_leaves_the_job_running(make_node):
+    """The engine side gives up on a TransferLayers call (its deadline, a replaced channel): the
+    job still finishes once, and the same plan asked for again joins its outcome."""
+    s = Setup(make_node(**fault_env(GROUP_DELAY_SECS="0.4")))
+    dst = [24, 25, 26, 27, 28, 29]
+    s.array[dst] = 0
+    stream = s.stub.TransferLayers(s.request(dst, 2), timeout=10)
+    assert next(stream).pages_landed == 4  # the first group landed ...
+    stream.cancel()  # ... and the caller went away
+    answer = s.stub.Transfer(s.request(dst, 0), timeout=10)
+    assert answer.joined and answer.bytes == 6 * LAYERS * PAGE
+    assert np.array_equal(s.array[dst], s.array[0:6])
+    assert s.stub.Status(pb.WorkerStatusRequest(), timeout=5).counters["jobs_ok"] >= 1
+    assert "Task was destroyed but it is pending" not in s.node.log_tails(chars=1 << 20)

@@ -132,3 +132,13 @@ def test_settings_resolve_auto_and_keep_an_explicit_mode():
     with pytest.raises(ValueError, match="resolve 'auto'"):
         ConnectorSettings(leader_address="a", worker_address_template="{id}", namespace="n", timeout_s=1,
                           retry_s=1, load_mode=LoadMode.AUTO)
+
+
+def test_per_layer_pages_of_a_cross_layer_buffer(compat):
+    torch = pytest.importorskip("torch")
+    raw = torch.arange(4 * 3 * 2 * 5, dtype=torch.int32).view(4, 3, 2, 5)  # [blocks, layers, 2, page]
+    pages = compat.per_layer_pages(raw, 3)
+    assert pages.shape == (4, 3, 10)
+    assert torch.equal(pages[2, 1], raw[2, 1].reshape(-1))
+    assert compat.per_layer_pages(raw, 2) is None, "not that many layers"
+    assert compat.per_layer_pages(raw.permute(0, 2, 1, 3), 2) is None, "layers not outermost in a block"

@@ -57,3 +57,29 @@ def test_the_oldest_done_jobs_go_first_beyond_the_limit(loop):
     assert len(table) == 3
     kept = [n for n in range(1, 6) if table.get(JobKey("leader-a", 1, n)) is not None]
     assert kept == [1, 4, 5]
+
+
+def test_group_bounds_cover_every_page_without_an_empty_group():
+    from kvbm_worker.jobs import group_bounds
+    assert group_bounds(72, 6) == [12, 24, 36, 48, 60, 72]
+    assert group_bounds(4, 3) == [1, 2, 4]
+    assert group_bounds(4, 9) == [1, 2, 3, 4], "more groups than pages: a page each"
+    assert group_bounds(8, 1) == [8]
+
+
+def test_landed_only_grows_and_wakes_its_waiters():
+    import asyncio
+
+    from kvbm_worker.jobs import Landed
+
+    async def main() -> None:
+        landed = Landed(8, 4)
+        first = landed.waiter()
+        landed.advance(2)
+        assert first.is_set() and landed.pages == 2
+        second = landed.waiter()
+        landed.advance(1)  # never backwards
+        assert landed.pages == 2 and not second.is_set()
+        landed.advance(99)
+        assert landed.pages == 8 and second.is_set()
+    asyncio.run(main())

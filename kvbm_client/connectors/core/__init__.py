@@ -22,6 +22,8 @@ Worker side (one per GPU / rank)::
     core.set_region(spec)                         # RegionSpec (sealed memfds) or CudaRegionSpec
     if plan.fence: core.fence()
     core.start_loads(plan.loads)                  # waits for the synchronous ones
+    # layer-pipelined: start_loads(plan.loads, wait=False); wait_pages(end, P) before each
+    # layer's forward; wait_loads(forward_waited) once the forward is enqueued
     core.start_stores(plan.stores, ready=event.synchronize)
     sent, loaded = core.finished(plan.delayed_frees)
     failed_blocks = core.take_load_errors()       # the engine recomputes them
@@ -75,7 +77,8 @@ The connector guarantees, in return:
   process to hold (a TCP address) it waits for the daemon's answer instead.
 * (C3) A load never lands in a block the engine gave to another request: its blocks belong
   to its request until the load settled (C2) - a synchronous load settles before the step's
-  forward, an asynchronous one before the request leaves its wait (an aborted request keeps
+  forward (a layer-pipelined one before the step's stores, once the forward waited for each
+  layer's pages), an asynchronous one before the request leaves its wait (an aborted request keeps
   its blocks until then, vLLM's rule). And it lands exactly in the blocks the engine counts as
   loaded: ``[local, local + n)`` of the lookup the engine acted on (a plan held for another
   local prefix, or past its deadline, is released and planned again).

@@ -26,7 +26,9 @@ import grpc
 from ...contract import pb
 
 #: Threads that read progress streams (one per load in flight; a load's reader ends with it).
-READER_THREADS = 64
+#: NOTE: beyond this many loads in flight at once, a load's progress is read only once a reader
+#: is free: its layers then wait longer (for its outcome at worst), never past its deadline.
+READER_THREADS = 256
 
 
 class StreamEnded(grpc.RpcError):
@@ -49,7 +51,7 @@ class LayerwiseCall:
 
     def __init__(self, stream: Iterator["pb.TransferProgress"], readers: ThreadPoolExecutor) -> None:
         self._stream = stream
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(threading.RLock())
         self.pages_landed = 0
         self.pages_per_block = 0
         #: (monotonic seconds, pages landed) per progress message, for tracing
@@ -61,8 +63,9 @@ class LayerwiseCall:
         try:
             for message in self._stream:
                 if message.HasField("done"):
-                    self._land(message.pages_per_block, message.pages_per_block)
-                    self._outcome.set_result(message.done)
+                    with self._cond:  # the outcome and the wake-up together: no waiter misses it
+                        self._land(message.pages_per_block, message.pages_per_block)
+                        self._outcome.set_result(message.done)
                     return
                 self._land(message.pages_landed, message.pages_per_block)
             raise StreamEnded()
@@ -72,7 +75,7 @@ class LayerwiseCall:
             self._fail(exc)
 
     def _land(self, pages: int, per_block: int) -> None:
-        with self._cond:
+        with self._cond:  # (re-entrant: also called under it)
             self.pages_per_block = per_block
             if pages > self.pages_landed:
                 self.pages_landed = pages
@@ -80,9 +83,9 @@ class LayerwiseCall:
             self._cond.notify_all()
 
     def _fail(self, exc: BaseException) -> None:
-        if not self._outcome.done():
-            self._outcome.set_exception(exc)
         with self._cond:
+            if not self._outcome.done():
+                self._outcome.set_exception(exc)
             self._cond.notify_all()
 
     # ------------------------------------------------------------------ the engine's waits

@@ -39,7 +39,8 @@ log = logging.getLogger("kvbm.connector")
 
 
 class TransferFuture(Protocol):
-    """A transfer's answer to come (``grpc.Future`` or ``concurrent.futures.Future``)."""
+    """A transfer's answer to come (``grpc.Future``, ``concurrent.futures.Future``, or a
+    layer-pipelined load's :class:`~.layerwise.LayerwiseCall`)."""
 
     def done(self) -> bool: ...
 
@@ -113,7 +114,7 @@ class TransferTracker:
         self._on_load_done = on_load_done
         self._on_unanswered = on_unanswered
         self._loads: dict[RequestId, InFlight] = {}  # asynchronous loads, reported by finished()
-        self._sync_loads: list[InFlight] = []  # waited for before this step's forward
+        self._sync_loads: list[InFlight] = []  # settled before the step's stores (whole ones: before its forward)
         self._stores: list[InFlight] = []
         self._store_refs: dict[RequestId, int] = {}  # stores in flight per request
         self._awaiting_send: set[RequestId] = set()  # finished requests whose frees wait

@@ -13,7 +13,8 @@ nothing else), so everything comes from there and from the environment:
   ``kv_connector_config`` is a strict model with the module and class names only. ``load_mode``
   "auto" (the default) is "sync" here: the failed-load recompute that makes the vLLM connector
   choose "async" (vllm#49250) is vLLM's; TensorRT-LLM's own recompute of a failed load is
-  untested here (its engine runs as stand-ins only).
+  untested here (its engine runs as stand-ins only). "layerwise" is refused: its per-layer
+  waits are the vLLM connector's.
 
 Pure: no I/O beyond reading the environment.
 """
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ...ids import WorkerId
-from ..core.settings import ConnectorSettings, worker_ids
+from ..core.settings import ConnectorSettings, LoadMode, worker_ids
 
 #: JSON object of connector options (see the module doc).
 CONFIG_ENV = "KVBM_TRTLLM_CONNECTOR_CONFIG"
@@ -88,6 +89,9 @@ def trtllm_settings(llm_args: Any, environ: Mapping[str, str] | None = None) -> 
     if "worker_id" in extra and world_size > 1:
         raise ValueError(f"{CONFIG_ENV}: worker_id pins one worker daemon; this engine has {world_size} ranks")
     core = ConnectorSettings.from_extra(extra, default_namespace(llm_args, block_size, tp_size))
+    if core.load_mode is LoadMode.LAYERWISE:
+        raise ValueError(f"{CONFIG_ENV}: load_mode 'layerwise' is the vLLM connector's (its per-layer waits); "
+                         "use 'sync' or 'async' with TensorRT-LLM")
     return TrtllmSettings(core, block_size, rank, world_size, tuple(worker_ids(extra, world_size)))
 
 

@@ -150,22 +150,39 @@ def names_by_tensor(kv_caches: dict) -> list[list[str]]:
 
 def cross_layer_names(kv_cache_config) -> list[list[str]]:
     """The layer names of each index of vLLM's cross-layer buffer (its ``num_layers`` dim
-    follows ``kv_cache_config.kv_cache_tensors``; []: unknown)."""
+    follows ``kv_cache_config.kv_cache_tensors``; []: unknown). They map to pages only when the
+    buffer is exported one page per layer (:func:`gpu_region_spec`'s ``layer_pages``)."""
     tensors = getattr(kv_cache_config, "kv_cache_tensors", None) or []
     return [list(getattr(t, "shared_by", []) or []) for t in tensors]
 
 
-def gpu_region_spec(tensors):
+def per_layer_pages(tensor, layers: int):
+    """A cross-layer buffer ``[num_blocks, layers, ...]`` as ``[num_blocks, layers, page]``: one
+    page per layer (each layer's part of a block dense, layers outermost); None when it is not
+    laid out so."""
+    if layers <= 1 or tensor.dim() < 3 or tensor.shape[1] != layers:
+        return None
+    whole = block_page(tuple(tensor.shape), tuple(tensor.stride()))
+    per = whole // layers if whole is not None and whole % layers == 0 else 0
+    if not per or tensor.stride(1) != per:
+        return None
+    return tensor.as_strided((tensor.shape[0], layers, per), (tensor.stride(0), per, 1), tensor.storage_offset())
+
+
+def gpu_region_spec(tensors, layer_pages: int = 0):
     """The CUDA IPC export of a GPU engine's KV cache: one tensor (vLLM 0.26 cross-layer buffer,
     ``register_cross_layers_kv_cache``) or one per layer (``register_kv_caches``); layers that
-    share a tensor are exported once."""
+    share a tensor are exported once. ``layer_pages``: the cross-layer buffer's layers, to export
+    it one page per layer (layer-pipelined loads copy a block's pages in layer groups; the slot
+    bytes are the same, and the daemon merges adjacent pages into one DMA); 0: a page per block."""
     from ...cuda_export import export_kv_cache
     unique, seen = [], set()
     for t in tensors:
         key = _tensor_key(t)
         if key not in seen:
             seen.add(key)
-            unique.append(block_pages(t))
+            split = per_layer_pages(t, layer_pages) if len(tensors) == 1 and layer_pages > 1 else None
+            unique.append(split if split is not None else block_pages(t))
     return export_kv_cache(unique, block_dim=0, page_dims=1)
 
 

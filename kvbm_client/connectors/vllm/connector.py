@@ -127,14 +127,17 @@ class KvbmConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker_role.set_region(spec, names_by_tensor=[[name] for name in kv_caches])
 
     def register_cross_layers_kv_cache(self, kv_cache, attn_backend=None) -> None:
-        """vLLM 0.26 with ``prefer_cross_layer_blocks``: one buffer for every layer."""
-        self._register_gpu([kv_cache], compat.cross_layer_names(getattr(self, "_kv_cache_config", None)))
+        """vLLM 0.26 with ``prefer_cross_layer_blocks``: one buffer for every layer (exported one
+        page per layer for layer-pipelined loads, else one page per block)."""
+        names = compat.cross_layer_names(getattr(self, "_kv_cache_config", None))
+        layerwise = self._settings.load_mode is LoadMode.LAYERWISE
+        self._register_gpu([kv_cache], names, layer_pages=len(names) if layerwise else 0)
 
-    def _register_gpu(self, tensors: list, names_by_tensor: list[list[str]]) -> None:
+    def _register_gpu(self, tensors: list, names_by_tensor: list[list[str]], layer_pages: int = 0) -> None:
         if not self._enabled:
             return
         try:
-            spec = compat.gpu_region_spec(tensors)
+            spec = compat.gpu_region_spec(tensors, layer_pages)
         except ValueError as exc:
             log.warning("kvbm: cannot export the engine's KV cache (%s); serving without kvbm", exc)
             spec = None

@@ -17,22 +17,25 @@ first ``get_finished`` that finds it done. Failed loads come back through
 Layer-pipelined loads (``load_mode`` layerwise): ``start_load_kv`` only sends them;
 ``wait_for_layer_load`` waits until the layer's pages landed (:func:`layer_page_ends` maps
 vLLM's layer names to the region's pages), and ``wait_for_save`` (or ``get_finished``, if
-vLLM skipped it) settles them before any store of the step is sent. A step whose forward did
-not wait for the last layer (its hooks did not run) counts its layer-pipelined loads as failed.
+vLLM skipped it) settles them before any store of the step is sent. A step whose forward ran
+no layer hook (FULL CUDA graphs) counts its layer-pipelined loads as failed.
 """
 from __future__ import annotations
 
 import logging
 import os
 import time
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ...ids import EngineBlockId, WorkerId
 from ...regions import LayerSpec, RegionSpec, RegionSpecLike
 from ..core.settings import ConnectorSettings, LoadMode
+from ..core.specs import StepPlan
 from ..core.tracing import trace, tracing
 from ..core.worker import WorkerCore
-from .metadata import KvbmConnectorMetadata
+
+if TYPE_CHECKING:  # (imports vLLM; this module imports without it, for its tests)
+    from .metadata import KvbmConnectorMetadata
 
 log = logging.getLogger("kvbm.connector")
 
@@ -98,6 +101,7 @@ class KvbmConnectorWorker:
         self._page_ends: dict[str, int] = {}
         self._pages_per_block = 0
         self._pending = False  # layer-pipelined loads of this step not settled yet
+        self._hooks_ran = False  # a layer hook of this step's forward ran (it waited for its pages)
         self._waited_end = 0  # pages the forward waited for in this step
         self._waited_s = 0.0
 
@@ -120,12 +124,13 @@ class KvbmConnectorWorker:
         self.settle_layers()  # (a step whose end vLLM did not report: nothing is left pending)
         self.core.start_loads(meta.loads, wait=not self.layerwise, ready=ready)
         self._pending = self.layerwise and bool(meta.loads)
-        self._waited_end, self._waited_s = 0, 0.0
+        self._hooks_ran, self._waited_end, self._waited_s = False, 0, 0.0
 
     def wait_layer(self, layer_name: str) -> None:
         """vLLM's ``wait_for_layer_load``: the layer's pages of this step's loads landed."""
         if not self._pending:
             return
+        self._hooks_ran = True
         end = self._page_ends.get(layer_name, self._pages_per_block)
         if end <= self._waited_end:
             return
@@ -140,8 +145,10 @@ class KvbmConnectorWorker:
         if not self._pending:
             return
         self._pending = False
-        waited = self._waited_end >= self._pages_per_block > 0
-        self.core.wait_loads(forward_waited=waited)
+        # NOTE: each hook waits for its own layer's pages, so a forward that ran its hooks read
+        # no page before it landed. Not "waited for the last page": a drafter's layers (EAGLE,
+        # MTP) share the KV cache but run after the step settled, without connector metadata.
+        self.core.wait_loads(forward_waited=self._hooks_ran)
         if tracing():
             trace("layer_waits", waited_ms=round(self._waited_s * 1e3, 2), pages=self._waited_end,
                   of=self._pages_per_block)
@@ -171,7 +178,7 @@ class KvbmConnectorWorker:
     def fence_if_needed(self, meta: Any) -> None:
         """Blocks of stores in flight stay allocated (running requests own them; finished ones
         are freed only after ``finished_sending``) except after a preemption: fence then."""
-        if isinstance(meta, KvbmConnectorMetadata) and meta.fence:
+        if isinstance(meta, StepPlan) and meta.fence:  # (KvbmConnectorMetadata is a StepPlan)
             self.core.fence()
 
     def finished(self, meta: KvbmConnectorMetadata | None) -> tuple[set[str] | None, set[str] | None]:
