@@ -142,3 +142,32 @@ def test_per_layer_pages_of_a_cross_layer_buffer(compat):
     assert torch.equal(pages[2, 1], raw[2, 1].reshape(-1))
     assert compat.per_layer_pages(raw, 2) is None, "not that many layers"
     assert compat.per_layer_pages(raw.permute(0, 2, 1, 3), 2) is None, "layers not outermost in a block"
+
+
+def test_layers_follow_blocks_only_where_the_stride_order_says_so(compat):
+    class NHD:  # physical [blocks, layers, ...]
+        @staticmethod
+        def get_kv_cache_stride_order(include_num_layers_dimension=False):
+            return (1, 0, 2, 3, 4, 5)
+
+    class HND:  # physical [blocks, heads, layers, ...]: with heads == layers the shape looks the same
+        @staticmethod
+        def get_kv_cache_stride_order(include_num_layers_dimension=False):
+            return (1, 3, 0, 2, 4, 5)
+
+    class Unknown:
+        @staticmethod
+        def get_kv_cache_stride_order(include_num_layers_dimension=False):
+            raise NotImplementedError
+
+    assert compat.layers_follow_blocks(NHD)
+    assert not compat.layers_follow_blocks(HND)
+    assert not compat.layers_follow_blocks(Unknown)
+    assert not compat.layers_follow_blocks(None)
+
+
+def test_kernel_blocks_that_are_not_vllm_blocks_are_refused(compat):
+    compat.check_block_count(100, SimpleNamespace(num_blocks=100))
+    compat.check_block_count(100, None)  # unknown: nothing to check
+    with pytest.raises(ValueError, match="kernel blocks"):
+        compat.check_block_count(200, SimpleNamespace(num_blocks=100))

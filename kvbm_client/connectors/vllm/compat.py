@@ -156,6 +156,27 @@ def cross_layer_names(kv_cache_config) -> list[list[str]]:
     return [list(getattr(t, "shared_by", []) or []) for t in tensors]
 
 
+def layers_follow_blocks(attn_backend) -> bool:
+    """Whether vLLM's cross-layer buffer for ``attn_backend`` is laid out ``[blocks, layers, ...]``
+    in memory: vLLM prepends the layers dim (logical dim 0) and permutes by the backend's stride
+    order, so physical dim 1 is the layers dim only where that order's second entry is 0 (an HND
+    layout puts the heads there; with as many heads as layers the shapes alone cannot tell)."""
+    try:
+        order = tuple(attn_backend.get_kv_cache_stride_order(include_num_layers_dimension=True))
+    except (AttributeError, NotImplementedError, TypeError):
+        return False
+    return len(order) >= 2 and order[1] == 0
+
+
+def check_block_count(num_blocks: int, kv_cache_config) -> None:
+    """Raise ValueError when the exported KV cache's blocks are not vLLM's blocks (a kernel block
+    smaller than vLLM's: block ids would address the wrong memory)."""
+    expected = getattr(kv_cache_config, "num_blocks", None)
+    if isinstance(expected, int) and expected > 0 and num_blocks != expected:
+        raise ValueError(f"the KV cache has {num_blocks} blocks where vLLM allocates {expected} "
+                         "(kernel blocks smaller than vLLM's blocks are not supported)")
+
+
 def per_layer_pages(tensor, layers: int):
     """A cross-layer buffer ``[num_blocks, layers, ...]`` as ``[num_blocks, layers, page]``: one
     page per layer (each layer's part of a block dense, layers outermost); None when it is not

@@ -130,14 +130,19 @@ class KvbmConnector(KVConnectorBase_V1, SupportsHMA):
         """vLLM 0.26 with ``prefer_cross_layer_blocks``: one buffer for every layer (exported one
         page per layer for layer-pipelined loads, else one page per block)."""
         names = compat.cross_layer_names(getattr(self, "_kv_cache_config", None))
-        layerwise = self._settings.load_mode is LoadMode.LAYERWISE
-        self._register_gpu([kv_cache], names, layer_pages=len(names) if layerwise else 0)
+        split = self._settings.load_mode is LoadMode.LAYERWISE and compat.layers_follow_blocks(attn_backend)
+        if self._settings.load_mode is LoadMode.LAYERWISE and not split:
+            log.warning("kvbm: this KV cache layout does not keep each layer's part of a block together "
+                        "(attention backend %s); layer-pipelined loads wait for the whole load",
+                        getattr(attn_backend, "__name__", attn_backend))
+        self._register_gpu([kv_cache], names, layer_pages=len(names) if split else 0)
 
     def _register_gpu(self, tensors: list, names_by_tensor: list[list[str]], layer_pages: int = 0) -> None:
         if not self._enabled:
             return
         try:
             spec = compat.gpu_region_spec(tensors, layer_pages)
+            compat.check_block_count(spec.num_blocks, getattr(self, "_kv_cache_config", None))
         except ValueError as exc:
             log.warning("kvbm: cannot export the engine's KV cache (%s); serving without kvbm", exc)
             spec = None
