@@ -13,6 +13,9 @@ from ._gen.kvbm.v1 import kvbm_pb2 as pb
 from ._gen.kvbm.v1 import kvbm_pb2_grpc as rpc
 from .ids import PlanKind, Tier
 
+#: ``TransferRequest.layer_groups`` accepted at most (the worker answers INVALID_ARGUMENT above)
+MAX_LAYER_GROUPS = 64
+
 __all__ = ["pb", "rpc", "sign_plan", "verify_plan", "GRPC_OPTIONS", "MatchResult"]
 
 #: Channel/server options shared by every side: large batches fit, dead peers are noticed.

@@ -44,9 +44,6 @@ class Moved:
     seconds: float
 
 
-MAX_LAYER_GROUPS = 64  # TransferRequest.layer_groups accepted at most
-
-
 def group_bounds(pages_per_block: int, groups: int) -> list[int]:
     """The end page of each of ``groups`` layer groups: group ``g`` is pages
     ``[g * P // groups, (g + 1) * P // groups)`` (none empty while ``groups <= P``)."""

@@ -187,14 +187,20 @@ class BlockMover:
             if not len(blocks):
                 continue
             if tier is Tier.HOST:
-                grouped = grouping if batch.kind is PlanKind.LOAD and not len(batch.entries(Tier.DISK)[0]) else None
-                self._engine_host(batch.kind, region, blocks, slots, until, grouped)
+                self._engine_host(batch.kind, region, blocks, slots, until,
+                                  grouping if self.groupable(batch) else None)
             elif batch.kind is PlanKind.STORE:
                 self._store_disk(region, blocks, slots, until, batch.job)
             else:
                 self._load_disk(region, blocks, slots, until)
             moved += len(blocks) * region.block_bytes
         return moved
+
+    @staticmethod
+    def groupable(batch: Batch) -> bool:
+        """Whether ``batch`` may run in layer groups: a LOAD whose entries are all in G2 (a G3
+        read lands whole blocks through the bounce buffer)."""
+        return batch.kind is PlanKind.LOAD and not len(batch.entries(Tier.DISK)[0])
 
     def _check_time(self, until: float) -> None:
         late = self.clock() - until

@@ -37,14 +37,14 @@ from typing import AsyncIterator, Protocol
 
 import grpc
 
-from kvbm_client.contract import pb
+from kvbm_client.contract import MAX_LAYER_GROUPS, pb
 from kvbm_client.ids import JobId, PlanKind, SlotId, Tier, WorkerId
 from kvbm_client.security import NodeKey, sign_ack
 
 from .allocation import PoolAllocator
 from .errors import CopyExpired, CopyFailed, JobFailed, PlanRejected, Refusal, SlotsFailed
 from .handlers.disk_guard import DiskHung
-from .jobs import MAX_LAYER_GROUPS, Job, JobKey, JobTable, Landed, Moved, group_bounds
+from .jobs import Job, JobKey, JobTable, Landed, Moved, group_bounds
 from .lanes import LaneFull, Lanes, LateStart, Ticket
 from .mover import BlockMover, Grouping
 from .plan_check import Batch, check_command, check_not_late, check_transfer
@@ -226,10 +226,9 @@ class JobRunner:
         if groups > MAX_LAYER_GROUPS:
             raise PlanRejected(Code.INVALID_ARGUMENT,
                                f"job {batch.job_id}: layer_groups={groups}, at most {MAX_LAYER_GROUPS}", batch.job_id)
-        groups = min(groups, region.num_layers)
-        if len(batch.entries(Tier.DISK)[0]):
+        if not BlockMover.groupable(batch):
             return 1  # G3 reads land whole blocks (the bounce pipeline); the answer says when
-        return groups
+        return min(groups, region.num_layers)
 
     async def _run_job(self, batch: Batch, region: EngineRegion, ticket: Ticket, landed: Landed | None = None
                        ) -> Moved:

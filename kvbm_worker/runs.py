@@ -30,6 +30,15 @@ def segments(src: Addrs, dst: Addrs, unit: int, split: npt.NDArray[np.int64] | N
     return src[starts], dst[starts], lengths
 
 
+def page_range(pages: tuple[int, int] | None, per_block: int) -> tuple[int, int]:
+    """``pages`` (``[lo, hi)`` of a block's ``per_block`` pages; None: all of them), checked:
+    raises ValueError for an empty range or one outside the block."""
+    lo, hi = pages if pages is not None else (0, per_block)
+    if not 0 <= lo < hi <= per_block:
+        raise ValueError(f"pages [{lo}, {hi}) outside the region's {per_block} pages per block")
+    return lo, hi
+
+
 def chunks(n: int, per: int) -> list[tuple[int, int]]:
     """``[lo, hi)`` ranges of at most ``per`` items covering ``0 .. n-1``."""
     per = max(1, per)

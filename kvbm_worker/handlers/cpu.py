@@ -10,6 +10,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..regions import EngineRegion
+from ..runs import page_range
 
 Ids = npt.NDArray[np.int64]
 Rows = npt.NDArray[np.uint8]
@@ -27,8 +28,6 @@ def scatter(rows: Rows, picks: Ids, region: EngineRegion, engine_blocks: Ids,
     """Every layer's page (``pages``: those in ``[lo, hi)``) of engine block
     ``engine_blocks[i]`` <- ``rows[picks[i]]``."""
     page = region.page_bytes
-    lo, hi = pages if pages is not None else (0, len(region.layer_views))
-    if not 0 <= lo < hi <= len(region.layer_views):
-        raise ValueError(f"pages [{lo}, {hi}) outside the region's {len(region.layer_views)} pages per block")
+    lo, hi = page_range(pages, len(region.layer_views))
     for layer in range(lo, hi):
         region.layer_views[layer][engine_blocks] = rows[picks, layer * page:(layer + 1) * page]

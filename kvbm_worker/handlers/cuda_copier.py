@@ -30,7 +30,7 @@ import numpy.typing as npt
 
 from ..cuda_region import CudaEngineRegion, CudaError, check, cudart
 from ..id_arrays import EngineBlocks
-from ..runs import segments
+from ..runs import page_range, segments
 from .pinned import PinnedHost
 
 log = logging.getLogger("kvbm.worker")
@@ -196,9 +196,7 @@ class CudaCopier:
     @staticmethod
     def _pages(direction: Direction, region: CudaEngineRegion, blocks: EngineBlocks, host_addrs: Addrs,
                pages: tuple[int, int] | None = None) -> tuple[Addrs, Addrs]:
-        lo, hi = pages if pages is not None else (0, region.num_layers)
-        if not 0 <= lo < hi <= region.num_layers:
-            raise ValueError(f"pages [{lo}, {hi}) outside the region's {region.num_layers} pages per block")
+        lo, hi = page_range(pages, region.num_layers)
         g1 = np.ascontiguousarray(region.page_addresses(blocks)[:, lo:hi]).ravel()
         host = (host_addrs[:, None] + np.arange(lo, hi, dtype=np.int64)[None, :] * region.page_bytes).ravel()
         return (g1, host) if direction is Direction.D2H else (host, g1)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ...config import KvbmConfig, parse_bool
+from ...contract import MAX_LAYER_GROUPS
 from ...ids import WorkerId
 
 
@@ -35,7 +36,6 @@ LOAD_MODES = tuple(m.value for m in LoadMode)
 #: ``layer_groups`` default: 6 groups of a 36-layer model move 384 KiB per block and group
 #: (direct DMA stays near full speed), and the forward after the last group is a sixth of it.
 DEFAULT_LAYER_GROUPS = 6
-MAX_LAYER_GROUPS = 64  # the worker daemon's limit (kvbm_worker.jobs.MAX_LAYER_GROUPS)
 
 
 @dataclass(frozen=True)
