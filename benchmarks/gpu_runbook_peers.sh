@@ -2,7 +2,10 @@
 # The 2026-11-25 (third session) GPU runs of issue 13, in order, on one machine after
 # benchmarks/vllm_gpu_install.sh, from a private copy of the tree (the device tool re-syncs the
 # checkout on every call). Results and logs in $R (default /tmp/res); progress in $R/progress.log.
-#   KVBM_BENCH_COMMIT=<sha> [KVBM_WORKER_ARGS=--g2-huge-pages] bash benchmarks/gpu_runbook_peers.sh [steps...]
+# Ran: copy and h2d on a first machine, which went back mid-eager20 (three runs kept as
+# results/vllm026_ttft_20k_h100_2026-11-25c_lost_machine_partial.jsonl); then on a second machine
+# `h2d eager20 graphs20 eager8 greedy`, of which the device time covered h2d, eager20 and graphs20.
+#   KVBM_BENCH_COMMIT=<sha> bash benchmarks/gpu_runbook_peers.sh [steps...]
 # steps (default all, in this order): copy h2d eager20 graphs20 eager8 graphs8 greedy
 #   copy      the daemon's G2 -> G1 path outside the daemon, per kind of G2 memory (g2_copy_path.py)
 #   h2d       the floor's memcpy on this machine (h2d_ceiling.py)

@@ -23,7 +23,7 @@
 # OURS_EXTRA: kv_connector_extra_config JSON for "ours" (default {}: load_mode auto, which is
 # asynchronous under vLLM's V2 model runner or async scheduling; {"load_mode":"sync"} for the faster
 # synchronous loads; {"cost_aware_loads":false}: load every hit, the behaviour before cost-aware loads).
-# KVBM_WORKER_ARGS: more kvbm-worker flags (e.g. --g2-huge-pages).
+# KVBM_WORKER_ARGS: more kvbm-worker flags (e.g. --cuda-copy runs).
 # KVBM_LOGDIR: daemon logs and each engine's stderr (default /tmp/kvbm-logs).
 set -u
 out=$1; systems=$2; shift 2

@@ -44,7 +44,6 @@ class DataPath:
     gpu: int | None = None  # CUDA device: CUDA IPC regions, pinned G2, CUDA streams
     cuda_copy: CopyMechanism = CopyMechanism.AUTO
     prefer_nixl: bool = True  # G3 through NIXL's POSIX backend when it loads
-    g2_huge_pages: bool = False  # G2 in transparent huge pages (``--g2-huge-pages``; :class:`HostPool`)
 
 
 @dataclass
@@ -175,14 +174,8 @@ class PoolAllocator:
             if host_geo.num_slots:
                 log.info("allocating G2: %d slots x %d bytes = %.2f GB", host_geo.num_slots, host_geo.slot_bytes,
                          host_geo.total_bytes / 1e9)
-                host = HostPool(host_geo, huge_pages=self.path.g2_huge_pages)
+                host = HostPool(host_geo)
                 host.commit(progress.first_half)
-                if host.huge_pages:
-                    huge = host.huge_bytes()
-                    log.log(logging.WARNING if not huge else logging.INFO,
-                            "G2 in huge pages: %s of %.2f GB (the kernel's transparent huge pages decide: "
-                            "/sys/kernel/mm/transparent_hugepage/enabled)",
-                            "unknown" if huge is None else f"{huge / 1e9:.2f}", host_geo.total_bytes / 1e9)
             if disk_geo.num_slots:
                 disk = DiskPool(disk_geo, cfg.disk_cache_dir, o_direct=not cfg.disk_disable_o_direct,
                                 zerofill_fallback=cfg.disk_zerofill_fallback, persist=persist)

@@ -169,11 +169,6 @@ def build_parser() -> argparse.ArgumentParser:
                              "runtime has it (>= 12.8); else one DMA per contiguous run when runs average >= 256 KiB, "
                              "else a GPU gather into staging + DMA]")
     parser.add_argument("--no-nixl", action="store_true", help="use preadv/pwritev for disk I/O instead of NIXL")
-    parser.add_argument("--g2-huge-pages", action="store_true",
-                        help="back G2 with transparent huge pages (private memory, madvise MADV_HUGEPAGE, never "
-                             "shared with a forked child) instead of 4 KiB shared pages; needs THP 'always' or "
-                             "'madvise' in /sys/kernel/mm/transparent_hugepage/enabled; the log says how much the "
-                             "kernel gave [default off]")
     add_config_arguments(parser)
     return parser
 
@@ -183,8 +178,7 @@ def data_path(args: argparse.Namespace) -> DataPath:
     mechanism = CopyMechanism(args.cuda_copy)
     if args.gpu is None and mechanism is not CopyMechanism.AUTO:
         raise KvbmConfigError("--cuda-copy applies to the GPU data path: give --gpu DEVICE")
-    return DataPath(gpu=args.gpu, cuda_copy=mechanism, prefer_nixl=not args.no_nixl,
-                    g2_huge_pages=args.g2_huge_pages)
+    return DataPath(gpu=args.gpu, cuda_copy=mechanism, prefer_nixl=not args.no_nixl)
 
 
 def main(argv: list[str] | None = None) -> int:

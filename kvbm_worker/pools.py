@@ -53,23 +53,11 @@ class HostPool:
 
     NOTE: anonymous (MAP_SHARED|MAP_ANONYMOUS) rather than a named /dev/shm segment, so a
     worker killed with SIGKILL leaves no RAM behind.
-
-    ``huge_pages`` (``kvbm-worker --g2-huge-pages``): private anonymous memory advised for
-    transparent huge pages (``MADV_HUGEPAGE``) and left out of any fork (``MADV_DONTFORK``: a
-    forked child must never share pinned pages copy-on-write), so a GPU's DMA crosses 2 MiB
-    pages instead of 4 KiB ones. The kernel decides: :meth:`huge_bytes` says what it gave.
     """
 
-    def __init__(self, geometry: SlotGeometry, huge_pages: bool = False) -> None:
+    def __init__(self, geometry: SlotGeometry) -> None:
         self.geometry = geometry
-        size = max(geometry.total_bytes, ALIGN)
-        if huge_pages:
-            self._mmap = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            self._mmap.madvise(mmap.MADV_DONTFORK)
-            self._mmap.madvise(mmap.MADV_HUGEPAGE)
-        else:
-            self._mmap = mmap.mmap(-1, size, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
-        self.huge_pages = huge_pages
+        self._mmap = mmap.mmap(-1, max(geometry.total_bytes, ALIGN), flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
         self.buffer = np.frombuffer(self._mmap, dtype=np.uint8)
         self.slots = self.buffer[:geometry.total_bytes].reshape(geometry.num_slots, geometry.slot_bytes)
 
@@ -84,26 +72,6 @@ class HostPool:
             self.buffer[start:min(total, start + chunk):4096] = 0
             if progress is not None:
                 progress(min(1.0, (start + chunk) / total))
-
-    def huge_bytes(self) -> int | None:
-        """Bytes of this pool the kernel backs with transparent huge pages (``AnonHugePages``
-        and ``ShmemPmdMapped`` of its mapping in ``/proc/self/smaps``); None if unreadable."""
-        start = self.address
-        try:
-            with open("/proc/self/smaps") as f:
-                inside, total = False, 0
-                for line in f:
-                    head = line.split(None, 1)[0]
-                    if "-" in head and not head.endswith(":"):
-                        lo, hi = (int(x, 16) for x in head.split("-"))
-                        if inside:
-                            return total
-                        inside = lo <= start < hi
-                    elif inside and head in ("AnonHugePages:", "ShmemPmdMapped:"):
-                        total += int(line.split()[1]) * 1024
-                return total if inside else None
-        except (OSError, ValueError):
-            return None
 
     def close(self) -> None:
         self.slots = self.buffer = None  # type: ignore[assignment]

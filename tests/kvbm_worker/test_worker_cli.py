@@ -19,8 +19,6 @@ def test_the_data_path_of_the_arguments():
     assert path.gpu == 1 and path.cuda_copy is CopyMechanism.GATHER and not path.prefer_nixl
     path = data_path(build_parser().parse_args(["--cpu"]))
     assert path.gpu is None and path.cuda_copy is CopyMechanism.AUTO and path.prefer_nixl
-    assert not path.g2_huge_pages
-    assert data_path(build_parser().parse_args(["--gpu", "0", "--g2-huge-pages"])).g2_huge_pages
     with pytest.raises(KvbmConfigError, match="--gpu"):
         data_path(build_parser().parse_args(["--cuda-copy", "runs"]))
 
