@@ -28,7 +28,7 @@ from kvbm_client.security import NodeKey
 from .allocation import PoolAllocator
 from .errors import JobFailed
 from .jobs import JobKey
-from .runner import JobReport
+from .leader_gate import JobReport
 
 log = logging.getLogger("kvbm.worker")
 RPC_TIMEOUT = 10.0

@@ -33,19 +33,20 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Protocol
+from typing import AsyncIterator
 
 import grpc
 
 from kvbm_client.contract import MAX_LAYER_GROUPS, pb
-from kvbm_client.ids import JobId, PlanKind, SlotId, Tier, WorkerId
+from kvbm_client.ids import JobId, PlanKind, Tier, WorkerId
 from kvbm_client.security import NodeKey, sign_ack
 
 from .allocation import PoolAllocator
 from .errors import CopyExpired, CopyFailed, JobFailed, PlanRejected, Refusal, SlotsFailed
 from .handlers.disk_guard import DiskHung
-from .jobs import Job, JobKey, JobTable, Landed, Moved, group_bounds
+from .jobs import Job, JobTable, Landed, Moved, group_bounds
 from .lanes import LaneFull, Lanes, LateStart, Ticket
+from .leader_gate import JobReport, LeaderGate
 from .mover import BlockMover, Grouping
 from .plan_check import Batch, check_command, check_not_late, check_transfer
 from .region_registry import RegionRegistry
@@ -56,42 +57,6 @@ Code = grpc.StatusCode
 #: NOTE: a copy stops at deadline + GRACE_SHARE x the leader's grace: the leader keeps a job's
 #: slots until deadline + grace, and a copy must not outlive that (the rest is margin).
 GRACE_SHARE = 0.5
-
-
-@dataclass(frozen=True, slots=True)
-class JobReport:
-    """A worker's word on one job (``CompleteTransferRequest``)."""
-
-    job_id: JobId
-    ok: bool
-    error: str = ""
-    moved: int = 0
-    seconds: float = 0.0
-    bad_disk_slots: tuple[SlotId, ...] = ()
-    bad_host_slots: tuple[SlotId, ...] = ()
-
-
-class LeaderGate(Protocol):
-    """What the runner needs of the leader link (:class:`kvbm_worker.leader_link.LeaderLink`)."""
-
-    @property
-    def plan_key(self) -> bytes | None:
-        """The current leader's plan key; None while not attached."""
-
-    @property
-    def grace(self) -> float:
-        """Seconds the leader keeps a job's slots after its deadline."""
-
-    @property
-    def leader_id(self) -> str:
-        """The current leader's id ("" while not attached)."""
-
-    async def start_job(self, job: JobKey) -> float:
-        """The leader's go for a new job: its deadline; raises :class:`JobFailed` if not live
-        (or if the job is another leader's)."""
-
-    async def report(self, report: JobReport) -> bool:
-        """Send a report; whether the leader accepted it."""
 
 
 @dataclass

@@ -35,7 +35,8 @@ from .lanes import Lanes
 from .region_registry import RegionFactory, RegionRegistry
 from .region_socket import RegionSocket
 from .regions import EngineRegion, RegionLimits
-from .runner import JobRunner, LeaderGate
+from .leader_gate import LeaderGate
+from .runner import JobRunner
 
 log = logging.getLogger("kvbm.worker")
 
