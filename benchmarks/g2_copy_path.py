@@ -24,7 +24,10 @@ of each pool the kernel gave in huge pages.
 
 Measured on an H100 (2026-11-25, ``results/g2_copy_path_h100_2026-11-25c.json``): all three
 within 1 % of each other (one memcpy 54.4-55.0 ms; the lane's code 55.8-56.6 ms, first layer
-group landed at 10.7 ms), so kvbm keeps 4 KiB shared pages.
+group landed at 10.7 ms), so kvbm keeps 4 KiB shared pages. Inside the daemon, in the TTFT runs
+of the same day, the same code took 58-82 ms and its first group landed at 21-39 ms after the
+engine's call: ``--gap-s 0.5`` (idle between copies, as between requests) is the next thing to
+measure there.
 """
 from __future__ import annotations
 
@@ -114,6 +117,9 @@ def main() -> None:
     ap.add_argument("--groups", type=int, default=6, help="layer groups of the layerwise way [6]")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--kinds", default="shared,huge,torch")
+    ap.add_argument("--gap-s", type=float, default=0.0,
+                    help="idle seconds before every timed copy, as between a serving engine's requests "
+                         "(0: back to back) [0]")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     record = provenance()
@@ -157,17 +163,20 @@ def main() -> None:
                 src = torch_host.data_ptr()
             else:
                 src = entry[0].address + 4 * geo.slot_bytes
+            time.sleep(args.gap_s)
             ms = memcpy_from(src, kv.data_ptr(), nbytes, stream, None if entry is None else entry[1])
             if rep:
                 add(f"{kind}: one memcpy", ms)
             if entry is None:
                 continue
             mover = entry[1]
+            time.sleep(args.gap_s)
             t = time.perf_counter()
             mover._engine_host(PlanKind.LOAD, region, blocks, slots, time.monotonic() + 60)
             if rep:
                 add(f"{kind}: mover, whole blocks", time.perf_counter() - t)
             marks: list[float] = []
+            time.sleep(args.gap_s)
             t = time.perf_counter()
             mover._engine_host(PlanKind.LOAD, region, blocks, slots, time.monotonic() + 60,
                                Grouping(bounds, lambda end: marks.append((time.perf_counter() - t) * 1e3)))
