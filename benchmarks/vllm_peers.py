@@ -115,7 +115,22 @@ def base_engine_kwargs(args):
                 kv_cache_memory_bytes=int(args.g1_gb * (1 << 30)))
     if args.cuda_graphs and args.system in LAYER_HOOKS:
         base["compilation_config"] = {"cudagraph_mode": "PIECEWISE"}
+    if args.hit_sources:
+        base["disable_log_stats"] = False  # vLLM's counters, read after every request (hit_counters)
     return base
+
+
+HIT_COUNTERS = {"vllm:prefix_cache_hits": "g1_hit_tokens", "vllm:external_prefix_cache_hits": "external_hit_tokens"}
+
+
+def hit_counters(llm):
+    """vLLM's running totals of prompt tokens found in its own GPU prefix cache (G1) and those a
+    KV connector provided (--hit-sources; the native offloading connector counts as external)."""
+    got = dict.fromkeys(HIT_COUNTERS.values(), 0)
+    for m in llm.get_metrics():
+        if m.name in HIT_COUNTERS:
+            got[HIT_COUNTERS[m.name]] += int(getattr(m, "value", 0))
+    return got
 
 
 def resolved_cudagraph_mode(llm):
@@ -147,11 +162,16 @@ def engine(args):
     # warm the kernels on a throwaway prompt
     llm.generate([{"prompt_token_ids": list(range(1000, 1600))}], sp, use_tqdm=False)
     rows = []
+    before = hit_counters(llm) if args.hit_sources else {}
     for r, u, prompt in workload(args.users, args.rounds, args.sys_len, args.ctx_len, args.turn_len):
         t, wall = time.perf_counter(), time.time()
         o = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
         rows.append({"round": r, "user": u, "tokens": len(prompt), "ttft_s": time.perf_counter() - t, "t0": wall,
                      "cached": o.num_cached_tokens or 0, "output": list(o.outputs[0].token_ids)})
+        if args.hit_sources:  # after the timing: reading the counters is not in the TTFT
+            after = hit_counters(llm)
+            rows[-1].update({k: after[k] - before[k] for k in after})
+            before = after
     warm = [x["ttft_s"] for x in rows if x["round"] > 0]
     cold = [x["ttft_s"] for x in rows if x["round"] == 0]
     q = lambda v, p: sorted(v)[min(len(v) - 1, int(p * len(v)))]
@@ -162,7 +182,17 @@ def engine(args):
                       "cold_ttft_mean": round(statistics.mean(cold), 4),
                       "warm_cached_frac": round(sum(x["cached"] for x in rows if x["round"] > 0) /
                                                 max(1, sum(x["tokens"] for x in rows if x["round"] > 0)), 3),
-                      "rows": rows}), flush=True)
+                      **hit_fractions(rows), "rows": rows}), flush=True)
+
+
+def hit_fractions(rows):
+    """Warm rounds' shares of prompt tokens from vLLM's G1 and from the connector (--hit-sources)."""
+    warm = [x for x in rows if x["round"] > 0 and "g1_hit_tokens" in x]
+    if not warm:
+        return {}
+    total = max(1, sum(x["tokens"] for x in warm))
+    return {"warm_g1_frac": round(sum(x["g1_hit_tokens"] for x in warm) / total, 3),
+            "warm_external_frac": round(sum(x["external_hit_tokens"] for x in warm) / total, 3)}
 
 
 def descendants(pid: int) -> list[int]:
@@ -208,6 +238,10 @@ def parse_args(argv=None):
     ap.add_argument("--out", default="")
     ap.add_argument("--logdir", default="", help="keep each engine's stderr here")
     ap.add_argument("--tiny", action="store_true", help="a tiny model, for a smoke test on a CPU build")
+    ap.add_argument("--hit-sources", action="store_true",
+                    help="vLLM's stats on: every row records the prompt tokens found in vLLM's own GPU prefix "
+                         "cache (g1_hit_tokens) and those the connector provided (external_hit_tokens), read "
+                         "after each request; every line their warm shares (warm_g1_frac, warm_external_frac)")
     args = ap.parse_args(argv)
     if args.passes < 1:
         ap.error(f"--passes must be at least 1, not {args.passes}")
@@ -224,7 +258,7 @@ def engine_cmd(name, pass_index, args):
            "--sys-len", str(args.sys_len), "--ctx-len", str(args.ctx_len), "--turn-len", str(args.turn_len),
            "--max-len", str(args.max_len), "--g1-gb", str(args.g1_gb), "--g2-gb", str(args.g2_gb),
            "--max-tokens", str(args.max_tokens)]
-    return cmd + (["--cuda-graphs"] if args.cuda_graphs else [])
+    return cmd + (["--cuda-graphs"] if args.cuda_graphs else []) + (["--hit-sources"] if args.hit_sources else [])
 
 
 def run_engine(name, pass_index, args):

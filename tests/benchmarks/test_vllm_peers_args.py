@@ -148,3 +148,33 @@ def test_one_pass_writes_what_the_harness_wrote_before_passes(tmp_path, monkeypa
     assert not any("summary" in line for line in lines)
     printed = capsys.readouterr().out
     assert "warm TTFT over" not in printed and "reproduce" not in printed
+
+
+def test_hit_sources_turn_vllm_stats_on_and_reach_the_engine_process():
+    args = vllm_peers.parse_args(["--systems", "lmcache", "--hit-sources"])
+    assert vllm_peers.parse_args(vllm_peers.engine_cmd("lmcache", 0, args)[2:]).hit_sources
+    kw = vllm_peers.base_engine_kwargs(vllm_peers.parse_args(["--engine", "--system", "lmcache", "--hit-sources"]))
+    assert kw["disable_log_stats"] is False
+    assert "disable_log_stats" not in vllm_peers.base_engine_kwargs(vllm_peers.parse_args(["--engine", "--system",
+                                                                                           "lmcache"]))
+
+
+def test_hit_counters_sum_vllm_counters_by_source():
+    class Metric:
+        def __init__(self, name, value):
+            self.name, self.value = name, value
+
+    class FakeLLM:
+        def get_metrics(self):
+            return [Metric("vllm:prefix_cache_hits", 32), Metric("vllm:prefix_cache_hits", 16),
+                    Metric("vllm:external_prefix_cache_hits", 640), Metric("vllm:prefix_cache_queries", 999)]
+
+    assert vllm_peers.hit_counters(FakeLLM()) == {"g1_hit_tokens": 48, "external_hit_tokens": 640}
+
+
+def test_hit_fractions_are_of_the_warm_rounds_prompt_tokens():
+    rows = [{"round": 0, "tokens": 1000, "g1_hit_tokens": 0, "external_hit_tokens": 0},
+            {"round": 1, "tokens": 1000, "g1_hit_tokens": 100, "external_hit_tokens": 800},
+            {"round": 2, "tokens": 1000, "g1_hit_tokens": 300, "external_hit_tokens": 600}]
+    assert vllm_peers.hit_fractions(rows) == {"warm_g1_frac": 0.2, "warm_external_frac": 0.7}
+    assert vllm_peers.hit_fractions([{"round": 1, "tokens": 5}]) == {}
