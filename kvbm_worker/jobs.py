@@ -15,6 +15,7 @@ Pure bookkeeping (no I/O): the job runner (:mod:`kvbm_worker.runner`) owns the t
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -60,8 +61,16 @@ class Landed:
     groups: int = 1
     pages: int = 0
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
+    #: for the job's debug line: ms after ``t0`` (perf_counter, the job's start) at which each
+    #: group was seen landed on the lane thread, and at which the event loop took the news
+    t0: float = field(default_factory=time.perf_counter)
+    lane_ms: list[float] = field(default_factory=list)
+    loop_ms: list[float] = field(default_factory=list)
 
-    def advance(self, pages: int) -> None:
+    def advance(self, pages: int, on_lane: float | None = None) -> None:
+        if on_lane is not None:
+            self.lane_ms.append((on_lane - self.t0) * 1e3)
+            self.loop_ms.append((time.perf_counter() - self.t0) * 1e3)
         if pages <= self.pages:
             return
         self.pages = min(pages, self.pages_per_block)

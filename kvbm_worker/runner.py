@@ -87,6 +87,14 @@ class _Call:
                                    transit_seconds=self.transit)
 
 
+def _group_times(landed: Landed | None) -> str:
+    """A layer-grouped load's group times for its debug line ("" for other jobs)."""
+    if landed is None or not landed.lane_ms:
+        return ""
+    return (f"; groups landed on the lane at {[round(t, 1) for t in landed.lane_ms]} ms, on the loop at "
+            f"{[round(t, 1) for t in landed.loop_ms]} ms after the job started")
+
+
 class JobRunner:
     """Runs the jobs of one worker (see the module docstring). Owns the job table and the
     counters; borrows the lanes, the region registry, the pools and the leader gate."""
@@ -220,8 +228,8 @@ class JobRunner:
         store = batch.kind is PlanKind.STORE
         self.counters.add("bytes_stored" if store else "bytes_loaded", moved.bytes)
         self.counters.add("jobs_ok")
-        log.debug("job %d %s: %d blocks, %d bytes in %.2f ms", batch.job_id, batch.kind.name.lower(),
-                  len(batch.engine_blocks), moved.bytes, moved.seconds * 1e3)
+        log.debug("job %d %s: %d blocks, %d bytes in %.2f ms%s", batch.job_id, batch.kind.name.lower(),
+                  len(batch.engine_blocks), moved.bytes, moved.seconds * 1e3, _group_times(landed))
         report = JobReport(batch.job_id, True, "", moved.bytes, moved.seconds)
         if not store:
             # The bytes are in the engine's memory: answer now and confirm to the leader beside
@@ -275,7 +283,7 @@ class JobRunner:
             return None
         loop = asyncio.get_running_loop()
         return Grouping(group_bounds(landed.pages_per_block, landed.groups),
-                        lambda pages: loop.call_soon_threadsafe(landed.advance, pages))
+                        lambda pages: loop.call_soon_threadsafe(landed.advance, pages, time.perf_counter()))
 
     def _on_lane(self, batch: Batch, region: EngineRegion | None, until: float,
                  grouping: Grouping | None = None) -> int:

@@ -83,3 +83,25 @@ def test_landed_only_grows_and_wakes_its_waiters():
         landed.advance(99)
         assert landed.pages == 8 and second.is_set()
     asyncio.run(main())
+
+
+def test_landed_keeps_each_groups_lane_and_loop_times_for_the_debug_line():
+    import asyncio
+    import time
+
+    from kvbm_worker.jobs import Landed
+    from kvbm_worker.runner import _group_times
+
+    async def main() -> None:
+        landed = Landed(8, 2)
+        assert _group_times(landed) == "" and _group_times(None) == ""
+        landed.advance(4, landed.t0 + 0.010)  # seen on the lane 10 ms after the start
+        landed.advance(8, time.perf_counter())
+        assert len(landed.lane_ms) == len(landed.loop_ms) == 2
+        assert abs(landed.lane_ms[0] - 10.0) < 1e-6
+        assert all(lane <= loop for lane, loop in zip(landed.lane_ms[1:], landed.loop_ms[1:]))
+        line = _group_times(landed)
+        assert "on the lane at [10.0," in line and "on the loop at" in line
+        landed.advance(8)  # an advance without a lane time (a caller's own) records none
+        assert len(landed.lane_ms) == 2
+    asyncio.run(main())
