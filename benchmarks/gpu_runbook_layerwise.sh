@@ -4,12 +4,7 @@
 # re-syncs the checkout on every call). Results and logs in $R (default /tmp/res).
 #   KVBM_BENCH_COMMIT=<sha> bash benchmarks/gpu_runbook_layerwise.sh [steps...]
 # steps (default all, in this order): tests greedy eager stress graphs greedy_graphs
-set -u
-. benchmarks/gpu_env.sh
-R=${R:-/tmp/res}; mkdir -p "$R"
-step() { echo "$(date +%T) $*" >>"$R/progress.log"; }
-A20="--users 5 --sys-len 0 --ctx-len 20000 --turn-len 128 --max-len 24576 --g1-gb 4"
-G8="--users 3 --rounds 2 --sys-len 0 --ctx-len 4000 --turn-len 128 --max-tokens 8 --g1-gb 1 --max-len 6144"
+. benchmarks/gpu_runbook_env.sh  # set -u, $R, step, A20, G8
 for s in ${@:-tests greedy eager stress graphs greedy_graphs}; do
   step "start $s"
   case $s in

@@ -14,12 +14,7 @@
 #   eager8    8K (the harness's defaults), eager: native, LMCache, Dynamo, kvbm layerwise; 2 passes
 #   graphs8   8K, CUDA graphs: LMCache, kvbm layerwise; 2 passes
 #   greedy    max_tokens=8 outputs, kvbm layerwise against vLLM alone (eager)
-set -u
-. benchmarks/gpu_env.sh
-R=${R:-/tmp/res}; mkdir -p "$R"
-step() { echo "$(date +%T) $*" >>"$R/progress.log"; }
-A20="--users 5 --sys-len 0 --ctx-len 20000 --turn-len 128 --max-len 24576 --g1-gb 4"
-G8="--users 3 --rounds 2 --sys-len 0 --ctx-len 4000 --turn-len 128 --max-tokens 8 --g1-gb 1 --max-len 6144"
+. benchmarks/gpu_runbook_env.sh  # set -u, $R, step, A20, G8
 T=benchmarks/vllm_gpu_ttft.sh
 for s in ${@:-copy h2d eager20 graphs20 eager8 graphs8 greedy}; do
   step "start $s"
