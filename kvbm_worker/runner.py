@@ -228,8 +228,9 @@ class JobRunner:
         store = batch.kind is PlanKind.STORE
         self.counters.add("bytes_stored" if store else "bytes_loaded", moved.bytes)
         self.counters.add("jobs_ok")
-        log.debug("job %d %s: %d blocks, %d bytes in %.2f ms%s", batch.job_id, batch.kind.name.lower(),
-                  len(batch.engine_blocks), moved.bytes, moved.seconds * 1e3, _group_times(landed))
+        if log.isEnabledFor(logging.DEBUG):  # (the group times are formatted only for this line)
+            log.debug("job %d %s: %d blocks, %d bytes in %.2f ms%s", batch.job_id, batch.kind.name.lower(),
+                      len(batch.engine_blocks), moved.bytes, moved.seconds * 1e3, _group_times(landed))
         report = JobReport(batch.job_id, True, "", moved.bytes, moved.seconds)
         if not store:
             # The bytes are in the engine's memory: answer now and confirm to the leader beside
