@@ -39,6 +39,9 @@ def test_demotions_over_nats_and_kv_events(nats_server, make_cluster_node, colle
     engines["0"].array[32:40] = 0
     client.wait(client.onboard(keys, list(range(32, 40))))
     assert np.array_equal(engines["0"].array[32:40], engines["0"].array[0:8])
+    # the worker confirms a load to the leader beside its answer: until that lands, the load's
+    # blocks stay pinned and a store finds G2 full of them (skipped, nothing evicted)
+    wait_for(lambda: all(t.pinned_blocks == 0 for t in node.status().tiers), 5, "the load's pins released")
     # removed: without room anywhere, new blocks evict old ones.
     for seed in range(2, 6):
         client.wait(client.offload(keys_of(8, seed), list(range(8, 16))))
