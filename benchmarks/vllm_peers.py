@@ -59,8 +59,12 @@ def workload(users, rounds, sys_len, ctx_len, turn_len, seed=11):
 #: wait only under load_mode layerwise ("ours_layerwise"), which declares PIECEWISE itself, as
 #: LMCache does when it is layerwise (not here).
 LAYER_HOOKS = ("dynamo",)
-SYSTEMS = ("recompute", "baseline", "native", "lmcache", "dynamo", "ours", "ours_sync", "ours_async",
-           "ours_layerwise")
+#: kvbm's variants: the connector's kv_connector_extra_config over its defaults ("ours": load_mode
+#: auto, early loads on where safe); ours_layerwise_noearly: the worker role starts every load (A/B)
+OURS = {"ours": {}, "ours_sync": {"load_mode": "sync"}, "ours_async": {"load_mode": "async"},
+        "ours_layerwise": {"load_mode": "layerwise"},
+        "ours_layerwise_noearly": {"load_mode": "layerwise", "early_loads": False}}
+SYSTEMS = ("recompute", "baseline", "native", "lmcache", "dynamo", *OURS)
 
 
 def system_kwargs(name, g2_gb, pass_index=0):
@@ -84,14 +88,13 @@ def system_kwargs(name, g2_gb, pass_index=0):
         kw["kv_transfer_config"] = {"kv_connector": "DynamoConnector", "kv_role": "kv_both",
                                     "kv_connector_module_path": "kvbm.vllm_integration.connector"}
         env.update(DYN_KVBM_CPU_CACHE_GB=str(g2_gb), DYN_KVBM_METRICS="false")
-    elif name in ("ours", "ours_sync", "ours_async", "ours_layerwise"):
+    elif name in OURS:
         # ours: the connector's defaults (load_mode auto: async under vLLM's V2 runner or async
-        # scheduling); ours_sync / ours_async / ours_layerwise: the same with that load_mode
+        # scheduling); the others: the same with the settings of OURS[name]
         kw["kv_transfer_config"] = json.loads(os.environ["OURS_KTC"])
         if name != "ours":
             # its own key namespace: the same service, but none of the "ours" run's blocks
-            kw["kv_transfer_config"].setdefault("kv_connector_extra_config", {}).update(
-                load_mode=name.split("_", 1)[1], namespace=name)
+            kw["kv_transfer_config"].setdefault("kv_connector_extra_config", {}).update(OURS[name], namespace=name)
         if pass_index > 0:
             # the kvbm service outlives the passes: a namespace per pass, so that every pass starts
             # without the blocks of the one before, like the peers' in-process caches

@@ -81,9 +81,9 @@ class FakeEarly:
         pass
 
 
-def make(leader: FakeLeader, mode: str = "sync", early=None) -> SchedulerCore:
+def make(leader: FakeLeader, mode: str = "sync", early=None, overlapping_steps: int = 1) -> SchedulerCore:
     settings = ConnectorSettings("unix:/l", "unix:/w-{id}", "model|float16|4", 1.0, 1.0, load_mode=mode)
-    return SchedulerCore(BS, settings, leader, lambda r: r.extras, early)
+    return SchedulerCore(BS, settings, leader, lambda r: r.extras, early, overlapping_steps=overlapping_steps)
 
 
 def run_prefill(core: SchedulerCore, req: Request, block_ids: list[int], local: int = 0):
@@ -192,6 +192,31 @@ def test_no_load_starts_early_in_a_step_that_fences():
     plan = core.step({}, preempted=["p"])
     assert plan.fence and [x.engine_blocks for x in plan.loads] == [[0, 1, 5, 6]]
     assert early.sent == [], "started before the fence"
+
+
+@pytest.mark.parametrize("overlapping,held_steps", [(1, 0), (2, 1), (3, 2)])
+def test_no_load_starts_early_while_a_step_in_flight_fenced(overlapping, held_steps):
+    """With overlapping steps the engine schedules the next steps while the worker side of the
+    fencing one may still wait at its fence; a preempted request's blocks may already be given
+    to a load of those steps (vLLM frees them once the steps that wrote them ran, not once kvbm's
+    stores that read them are done). Their loads wait for the worker side too, then early loads
+    resume."""
+    leader, early = FakeLeader(), FakeEarly()
+    core = make(leader, early=early, overlapping_steps=overlapping)
+    preempted = Request("p", list(range(100, 109)))
+    run_prefill(core, preempted, [0, 1, 2])  # its two blocks are being stored
+    run_prefill(make(leader), Request("x", list(range(17))), [0, 1, 2, 3, 4])
+    assert core.step({}, preempted=["p"]).fence
+    for i in range(held_steps + 1):
+        early.sent.clear()
+        core.lookup(Request(f"y{i}", list(range(17))), 0)
+        core.allocated(f"y{i}", [0, 1, 5, 6, 7], 4 * BS)  # blocks 0 and 1 were the preempted request's
+        plan = core.step({})
+        assert not plan.fence and len(plan.loads) == 1, "the worker side still gets the load"
+        if i < held_steps:
+            assert early.sent == [], f"step {i + 1} after the fence started early with {overlapping} steps in flight"
+        else:
+            assert early.sent == plan.loads, "early loads resume once the fencing step left the window"
 
 
 def test_a_pinned_hit_the_engine_does_not_take_is_released():

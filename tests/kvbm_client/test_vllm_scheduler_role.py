@@ -121,3 +121,30 @@ def test_vllm_request_extras_fold_salt_lora_and_images(scheduler_module):
                                         mm_positions=[SimpleNamespace(offset=0, length=1)])])
 def test_vllm_requests_kvbm_cannot_identify_are_left_alone(scheduler_module, attrs):
     assert scheduler_module.request_extras(vllm_request(**attrs)) is None
+
+
+@pytest.mark.parametrize("overlapping,defers,expected", [
+    (1, False, True),   # one step at a time: nothing in flight can write a reallocated block
+    (2, True, True),    # async scheduling on a vLLM that defers block frees past the steps in flight
+    (2, False, False),  # async scheduling on a vLLM that reuses freed blocks at once (issue 17 window 4)
+])
+def test_early_loads_under_overlapping_steps_need_deferred_block_frees(scheduler_module, overlapping, defers,
+                                                                       expected):
+    on, why = scheduler_module.early_loads_decision(True, True, overlapping, defers)
+    assert on is expected and why
+    assert scheduler_module.early_loads_decision(False, True, 1, True)[0] is False, "early_loads: false wins"
+    assert scheduler_module.early_loads_decision(True, False, 1, True)[0] is False, "no worker to send to"
+
+
+def test_the_role_starts_early_loads_only_where_the_decision_allows(scheduler_module, monkeypatch):
+    monkeypatch.setattr(scheduler_module, "EarlyLoads", lambda settings, workers: SimpleNamespace(close=lambda: None))
+    settings = ConnectorSettings("unix:/x", "unix:/x-{id}", "ns", 1.0, 1.0, load_mode="sync")
+    off = scheduler_module.KvbmConnectorScheduler(BS, settings, ["0"], leader=FakeLeader(0), overlapping_steps=2)
+    on = scheduler_module.KvbmConnectorScheduler(BS, settings, ["0"], leader=FakeLeader(0), overlapping_steps=2,
+                                                 defers_block_frees=True)
+    try:
+        assert not off.early_loads and off.core._early is None
+        assert on.early_loads and on.core._early is not None
+    finally:
+        on.core.shutdown()
+        off.core.shutdown()

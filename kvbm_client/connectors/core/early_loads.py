@@ -3,7 +3,9 @@
 Without it the copy starts in the worker side's ``start_load_kv``, after the scheduler
 finished the step and the model runner prepared its inputs (~15 ms on a 20K-token request,
 vLLM 0.26 on an H100). Here the scheduler side sends the same signed plan to the worker
-daemon(s) when the engine allocated the blocks (vLLM's ``update_state_after_alloc``); the
+daemon(s) once the engine allocated the blocks, at the end of the step's scheduling (vLLM's
+``build_connector_meta``: only then is it known whether the step fences, see
+:mod:`.scheduler`); the
 daemon runs a job once per plan, so the worker side's own ``Transfer`` joins the copy already
 running and returns when it is done. The worker side's call stays the one whose answer
 counts: an early call that fails only costs the head start (it is logged at debug level and

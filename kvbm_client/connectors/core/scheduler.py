@@ -19,10 +19,14 @@ adapter translates its hooks into these calls, in this order per request:
    (``build_connector_meta``): every block that this step completes (by the tokens computed
    once its forward ran) is offloaded, one ``PrepareStore`` for all requests of the step;
    returns the :class:`StepPlan` to send to the workers (loads, stores, delayed frees, fence).
-   The step's loads are started early on the worker daemons here, unless the step fences: a
-   block the engine took back from a preempted request may be the destination of a load of
-   this step while a store still reads it, and only the worker side's fence orders the two
-   (an engine that schedules a step before the previous one ran must not pass ``early``).
+   The step's loads are started early on the worker daemons here, unless this step or one
+   still in flight (``overlapping_steps``) fences: a block the engine took back from a
+   preempted request may be the destination of a load while a store still reads it, and only
+   the worker side's fence orders the two (with overlapping steps, a step is scheduled while
+   the worker side of the one before may still be waiting at its fence). An engine that
+   schedules a step before the previous one ran must pass ``early`` only if it also keeps a
+   freed block from being reallocated while a step in flight may still write it (vLLM's
+   deferred block frees).
 4. :meth:`SchedulerCore.finished` (``request_finished``): True when the request's blocks
    must stay allocated until its stores are done (the worker side reports it).
 
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Protocol, Sequence
 
@@ -101,12 +106,14 @@ class SchedulerCore:
     """
 
     def __init__(self, block_size: int, settings: ConnectorSettings, leader: LeaderPort, extras_of: ExtrasOf,
-                 early: EarlyLoads | None = None) -> None:
+                 early: EarlyLoads | None = None, overlapping_steps: int = 1) -> None:
         self.block_size = block_size
         self.settings = settings
         self._leader = leader
         self._extras_of = extras_of
         self._early = early
+        #: whether each of the last ``overlapping_steps`` steps (this one last) fenced
+        self._fences: deque[bool] = deque(maxlen=max(1, overlapping_steps))
         self._reqs: dict[RequestId, RequestState] = {}
         self._loads: list[LoadSpec] = []
         self._delayed: list[RequestId] = []
@@ -236,11 +243,9 @@ class SchedulerCore:
         plan = StepPlan(loads=self._loads, delayed_frees=self._delayed)
         self._loads, self._delayed = [], []
         plan.fence = any(s.has_stores for s in map(self._reqs.get, map(RequestId, preempted)) if s is not None)
-        if self._early is not None and not plan.fence:
-            for spec in plan.loads:
-                sent = self._early.submit(spec)
-                if tracing():
-                    trace("early_load", req=spec.req_id, blocks=len(spec.engine_blocks), workers=sent)
+        self._fences.append(plan.fence)
+        if self._early is not None and plan.loads:
+            self._start_early(plan.loads)
         keys: list[BlockHash] = []
         blocks: list[EngineBlockId] = []
         owners: list[RequestId] = []
@@ -260,6 +265,17 @@ class SchedulerCore:
         if keys:
             plan.stores.extend(self._store(keys, blocks, owners))
         return plan
+
+    def _start_early(self, loads: list[LoadSpec]) -> None:
+        assert self._early is not None
+        if any(self._fences):
+            log.debug("kvbm: %d load(s) of this step not started early: %s fenced (the worker side starts them)",
+                      len(loads), "this step" if self._fences[-1] else "a step still in flight")
+            return
+        for spec in loads:
+            sent = self._early.submit(spec)
+            if tracing():
+                trace("early_load", req=spec.req_id, blocks=len(spec.engine_blocks), workers=sent)
 
     def _store(self, keys: list[BlockHash], blocks: list[EngineBlockId], owners: list[RequestId]) -> list[StoreSpec]:
         t0 = time.perf_counter()

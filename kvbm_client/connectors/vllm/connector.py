@@ -72,7 +72,8 @@ class KvbmConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             workers = worker_ids(extra, compat.tensor_parallel_size(vllm_config))
             self._scheduler = KvbmConnectorScheduler(self._block_size, self._settings, workers,
-                                                     overlapping_steps=compat.overlapping_steps(vllm_config))
+                                                     overlapping_steps=compat.overlapping_steps(vllm_config),
+                                                     defers_block_frees=compat.defers_block_frees(vllm_config))
         else:
             self._rank = compat.worker_rank(vllm_config)
             overlapping = compat.overlapping_steps(vllm_config)

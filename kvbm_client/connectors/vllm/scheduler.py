@@ -14,6 +14,7 @@ model runner, or asynchronous scheduling: vllm#49250; see :func:`.compat.auto_lo
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Sequence
 
 from ...hashing import MultimodalSpan, RequestExtras
@@ -22,6 +23,8 @@ from ..core.leader_link import LeaderLink, LeaderPort
 from ..core.scheduler import EngineRequest, SchedulerCore
 from ..core.settings import ConnectorSettings
 from .metadata import KvbmConnectorMetadata
+
+log = logging.getLogger("kvbm.connector")
 
 
 def request_extras(request: Any) -> RequestExtras | None:
@@ -57,24 +60,44 @@ def multimodal_spans(request: Any) -> tuple[MultimodalSpan, ...] | None:
     return tuple(sorted(spans, key=lambda s: s.offset))
 
 
+def early_loads_decision(wanted: bool, has_workers: bool, overlapping_steps: int,
+                         defers_block_frees: bool) -> tuple[bool, str]:
+    """Whether the scheduler role starts loads early, and why (pure)."""
+    if not wanted:
+        return False, "early_loads is false"
+    if not has_workers:
+        return False, "no worker daemon is known to this role"
+    if overlapping_steps <= 1:
+        return True, "one engine step at a time"
+    if defers_block_frees:
+        return True, (f"{overlapping_steps} steps in flight; vLLM defers block frees past them, and no load "
+                      "starts early while a step in flight fenced")
+    return False, (f"{overlapping_steps} steps in flight and this vLLM reuses freed blocks at once: only the "
+                   "worker role may start a load")
+
+
 class KvbmConnectorScheduler:
     """vLLM's scheduler-side connector hooks, translated for the core.
 
     Args:
         leader: the leader link (default: a :class:`LeaderLink` to ``settings.leader_address``;
             tests pass a fake).
-        overlapping_steps: steps vLLM runs at once (2 with asynchronous scheduling). Loads
-            start early only with 1: with more, the next step is scheduled (and a preempted
-            request's blocks reallocated) before the worker side fenced the previous one, so
-            only the worker side may start a load (issue 17 window 4).
+        overlapping_steps: steps vLLM runs at once (2 with asynchronous scheduling).
+        defers_block_frees: vLLM keeps a freed or preempted request's blocks out of its pool
+            until the steps in flight that may write them have run (:func:`.compat.defers_block_frees`).
+            With overlapping steps, loads start early only then: else the next step may be given
+            a block the step in flight still writes (issue 17 window 4); the core also keeps them
+            off while a step in flight fenced.
     """
 
     def __init__(self, block_size: int, settings: ConnectorSettings, worker_ids: Sequence[str] | None = None,
-                 leader: LeaderPort | None = None, overlapping_steps: int = 1) -> None:
-        early_ok = settings.early_loads and worker_ids and overlapping_steps <= 1
-        early = EarlyLoads(settings, worker_ids) if early_ok and worker_ids else None
+                 leader: LeaderPort | None = None, overlapping_steps: int = 1, defers_block_frees: bool = False) -> None:
+        self.early_loads, why = early_loads_decision(settings.early_loads, bool(worker_ids), overlapping_steps,
+                                                     defers_block_frees)
+        log.info("kvbm: early loads %s (%s)", "on" if self.early_loads else "off", why)
+        early = EarlyLoads(settings, worker_ids) if self.early_loads and worker_ids else None
         self.core = SchedulerCore(block_size, settings, leader or LeaderLink(settings, "vllm-scheduler"),
-                                  request_extras, early)
+                                  request_extras, early, overlapping_steps=overlapping_steps)
 
     def get_num_new_matched_tokens(self, request: EngineRequest, num_computed_tokens: int) -> tuple[int, bool]:
         return self.core.lookup(request, num_computed_tokens)
