@@ -66,6 +66,9 @@ class Landed:
     t0: float = field(default_factory=time.perf_counter)
     lane_ms: list[float] = field(default_factory=list)
     loop_ms: list[float] = field(default_factory=list)
+    #: (issue began, issued, landed) perf_counter times of each piece, appended on the lane
+    #: thread while the copy runs (:class:`~.mover.Grouping`); read once the job's copy returned
+    pieces: list[tuple[float, float, float]] = field(default_factory=list)
 
     def advance(self, pages: int, on_lane: float | None = None) -> None:
         if on_lane is not None:
@@ -79,6 +82,15 @@ class Landed:
 
     def waiter(self) -> asyncio.Event:
         return self._changed
+
+    def describe(self) -> str:
+        """The group and piece times for the job's debug line ("" before any group landed)."""
+        if not self.lane_ms:
+            return ""
+        pieces = [tuple(round((t - self.t0) * 1e3, 1) for t in piece) for piece in self.pieces]
+        return (f"; groups landed on the lane at {[round(t, 1) for t in self.lane_ms]} ms, on the loop at "
+                f"{[round(t, 1) for t in self.loop_ms]} ms after the job started; pieces (issue began, issued, "
+                f"landed) at {pieces} ms")
 
 
 @dataclass(slots=True)

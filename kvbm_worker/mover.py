@@ -21,9 +21,8 @@ the bytes reach the engine or G2; a mismatch or a failed read raises
 :class:`~.errors.SlotsFailed` naming the slots.
 
 Time (``until``: the job's deadline plus part of the leader's grace, after which the leader
-may hand the job's slots to another block): checked before every chunk is written and after
-a load read its sources, so a late copy stops instead of landing in a reused slot
-(:class:`~.errors.CopyExpired`).
+may reuse the job's slots): checked before every chunk is written and after a load read its
+sources, so a late copy stops instead of landing in a reused slot (:class:`~.errors.CopyExpired`).
 """
 from __future__ import annotations
 
@@ -70,6 +69,8 @@ class Grouping:
 
     bounds: list[int]
     landed: Callable[[int], object]
+    #: if given: (issue began, issued, landed) perf_counter times per piece, appended on the lane
+    pieces: list[tuple[float, float, float]] | None = None
 
 
 class Done:
@@ -205,20 +206,22 @@ class BlockMover:
             if sums is not None:  # every source is checked before the first group lands
                 for lo, hi in chunks(len(blocks), per):
                     self._verify(sums, Tier.HOST, Slots(slots[lo:hi]), host.slots, Slots(slots[lo:hi]))
-            # NOTE: a group's piece spans HOST_CHUNK_BYTES of its own pages (not of whole blocks),
-            # and GROUP_DEPTH pieces stay queued, so a piece of a few ms of DMA does not wait for
-            # the lane's Python between pieces. On the H100 (2026-11-25) its effect was within the
-            # pass-to-pass spread: 2.97 GB copied in 80.6 ms (median) before, 83.8 ms after.
+            # NOTE: a piece spans HOST_CHUNK_BYTES of its group's pages and GROUP_DEPTH pieces stay
+            # queued, so DMA does not wait for the lane's Python (H100, 2026-11-25: no effect measured)
             depth = GROUP_DEPTH
             pieces = []
             for first, end in zip([0, *grouping.bounds[:-1]], grouping.bounds):
                 spans = chunks(len(blocks), max(1, HOST_CHUNK_BYTES // ((end - first) * region.page_bytes)))
                 pieces += [(lo, hi, (first, end), i == len(spans) - 1) for i, (lo, hi) in enumerate(spans)]
         issued: list[Pending] = []
-        in_flight: deque[tuple[Pending, Slots, tuple[int, int] | None, bool]] = deque()
+        in_flight: deque[tuple[Pending, Slots, tuple[int, int] | None, bool, float, float]] = deque()
+        times = grouping.pieces if grouping is not None else None
 
-        def settle(copy: Pending, to: Slots, pages: tuple[int, int] | None, group_done: bool) -> None:
+        def settle(copy: Pending, to: Slots, pages: tuple[int, int] | None, group_done: bool, began: float,
+                   sent: float) -> None:
             copy.wait()
+            if times is not None:
+                times.append((began, sent, time.perf_counter()))
             if sums is not None and kind is PlanKind.STORE:
                 sums.seal(to, host.slots, to)
             if group_done and grouping is not None and pages is not None:
@@ -227,6 +230,7 @@ class BlockMover:
         try:
             for lo, hi, pages, last in pieces:
                 self._check_time(until)
+                began = time.perf_counter()
                 b, s = EngineBlocks(blocks[lo:hi]), Slots(slots[lo:hi])
                 if kind is PlanKind.STORE:
                     if sums is not None:
@@ -236,7 +240,7 @@ class BlockMover:
                     if sums is not None and grouping is None:
                         self._verify(sums, Tier.HOST, s, host.slots, s)
                     issued.append(self._from_slots(region, b, host.slots, s, pages))
-                in_flight.append((issued[-1], s, pages, last))
+                in_flight.append((issued[-1], s, pages, last, began, time.perf_counter()))
                 # a synchronous medium's piece is there already; else keep ``depth`` queued
                 while in_flight and (len(in_flight) > depth or in_flight[-1][0] is DONE):
                     settle(*in_flight.popleft())

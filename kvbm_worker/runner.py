@@ -87,14 +87,6 @@ class _Call:
                                    transit_seconds=self.transit)
 
 
-def _group_times(landed: Landed | None) -> str:
-    """A layer-grouped load's group times for its debug line ("" for other jobs)."""
-    if landed is None or not landed.lane_ms:
-        return ""
-    return (f"; groups landed on the lane at {[round(t, 1) for t in landed.lane_ms]} ms, on the loop at "
-            f"{[round(t, 1) for t in landed.loop_ms]} ms after the job started")
-
-
 class JobRunner:
     """Runs the jobs of one worker (see the module docstring). Owns the job table and the
     counters; borrows the lanes, the region registry, the pools and the leader gate."""
@@ -230,7 +222,8 @@ class JobRunner:
         self.counters.add("jobs_ok")
         if log.isEnabledFor(logging.DEBUG):  # (the group times are formatted only for this line)
             log.debug("job %d %s: %d blocks, %d bytes in %.2f ms%s", batch.job_id, batch.kind.name.lower(),
-                      len(batch.engine_blocks), moved.bytes, moved.seconds * 1e3, _group_times(landed))
+                      len(batch.engine_blocks), moved.bytes, moved.seconds * 1e3,
+                      landed.describe() if landed is not None else "")
         report = JobReport(batch.job_id, True, "", moved.bytes, moved.seconds)
         if not store:
             # The bytes are in the engine's memory: answer now and confirm to the leader beside
@@ -279,12 +272,13 @@ class JobRunner:
     @staticmethod
     def _landed_from_lane(landed: Landed | None) -> Grouping | None:
         """What the mover needs to run a load in ``landed``'s groups, reporting each group's
-        pages to the event loop (the lane thread never touches ``landed`` itself)."""
+        pages to the event loop (the lane thread only appends to ``landed.pieces``)."""
         if landed is None:
             return None
         loop = asyncio.get_running_loop()
         return Grouping(group_bounds(landed.pages_per_block, landed.groups),
-                        lambda pages: loop.call_soon_threadsafe(landed.advance, pages, time.perf_counter()))
+                        lambda pages: loop.call_soon_threadsafe(landed.advance, pages, time.perf_counter()),
+                        landed.pieces)
 
     def _on_lane(self, batch: Batch, region: EngineRegion | None, until: float,
                  grouping: Grouping | None = None) -> int:

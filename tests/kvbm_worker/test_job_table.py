@@ -85,23 +85,24 @@ def test_landed_only_grows_and_wakes_its_waiters():
     asyncio.run(main())
 
 
-def test_landed_keeps_each_groups_lane_and_loop_times_for_the_debug_line():
+def test_landed_keeps_each_groups_lane_and_loop_times_and_the_piece_times_for_the_debug_line():
     import asyncio
     import time
 
     from kvbm_worker.jobs import Landed
-    from kvbm_worker.runner import _group_times
 
     async def main() -> None:
         landed = Landed(8, 2)
-        assert _group_times(landed) == "" and _group_times(None) == ""
+        assert landed.describe() == ""
         landed.advance(4, landed.t0 + 0.010)  # seen on the lane 10 ms after the start
         landed.advance(8, time.perf_counter())
         assert len(landed.lane_ms) == len(landed.loop_ms) == 2
         assert abs(landed.lane_ms[0] - 10.0) < 1e-6
         assert all(lane <= loop for lane, loop in zip(landed.lane_ms[1:], landed.loop_ms[1:]))
-        line = _group_times(landed)
+        landed.pieces.append((landed.t0 + 0.001, landed.t0 + 0.002, landed.t0 + 0.010))  # as the lane appends
+        line = landed.describe()
         assert "on the lane at [10.0," in line and "on the loop at" in line
+        assert "landed) at [(1.0, 2.0, 10.0)] ms" in line
         landed.advance(8)  # an advance without a lane time (a caller's own) records none
         assert len(landed.lane_ms) == 2
     asyncio.run(main())

@@ -174,3 +174,21 @@ def test_an_engine_block_outside_the_region_is_refused_before_copying(rig):
     r = rig()
     with pytest.raises(ValueError, match="outside"):
         r.run(PlanKind.LOAD, tier=Tier.HOST, slots=[0], blocks=[-1])
+
+
+def test_a_layer_grouped_load_lands_group_by_group_and_times_every_piece(rig, monkeypatch):
+    monkeypatch.setattr(mover_module, "HOST_CHUNK_BYTES", 2 * PAGE)  # two blocks' pages of a group per piece
+    r = rig()
+    r.run(PlanKind.STORE, Tier.HOST, slots=[0, 1, 2, 3], blocks=[4, 5, 6, 7])
+    before = [r.page(b) for b in (4, 5, 6, 7)]
+    r.engine.array[[10, 11, 12, 13]] = 0
+    landed: list[int] = []
+    pieces: list[tuple[float, float, float]] = []
+    ids = lambda v: np.asarray(v, np.int64)  # noqa: E731
+    batch = Batch(PlanKind.LOAD, JobKey("L", 1, JobId(2)), FAR, ids([Tier.HOST] * 4), ids([0, 1, 2, 3]),
+                  ids([10, 11, 12, 13]))
+    r.mover.run(batch, r.region, FAR, mover_module.Grouping([1, 3], landed.append, pieces))
+    assert landed == [1, 3], "each group's end page, in order"
+    assert [r.page(b).tobytes() for b in (10, 11, 12, 13)] == [p.tobytes() for p in before]
+    # group 1 (1 page): 4 blocks x 1 page at 2 pages a piece -> 2 pieces; group 2 (2 pages): 4 pieces
+    assert len(pieces) == 6 and all(began <= sent <= done for began, sent, done in pieces)
