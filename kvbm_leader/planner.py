@@ -72,7 +72,7 @@ class RequestPlanner:
         return result
 
     def _count_lookup(self, queried: int, result: MatchResult, tokens_per_block: int) -> None:
-        host = sum(1 for t in result.tiers if t is Tier.HOST)
+        host = result.tiers.count(Tier.HOST)
         self.metrics.hits.add(queried, host, result.num_matched - host)
         self.metrics.inc("kvbm_matched_tokens", result.num_matched * (tokens_per_block or 1))
 
@@ -136,7 +136,8 @@ class RequestPlanner:
         if matched.num_matched:
             self.metrics.count_onboard(decision.reason.value, decision.num_skipped)
         signed = (await self.ledger.issue(plan, session))[1] if plan.keys else None
-        promote = [k for k, t in zip(plan.keys, plan.tiers) if t is Tier.DISK] + skipped
+        promote = [k for k, t in zip(plan.keys, plan.tiers) if t is Tier.DISK] if Tier.DISK in plan.tiers else []
+        promote += skipped
         if log.isEnabledFor(logging.DEBUG):
             log.debug("onboard decision job=%d: load %d/%d [%s] from %s; %s, promote %d", plan.job_id,
                       len(plan.keys), len(keys), short(plan.keys),

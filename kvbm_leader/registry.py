@@ -191,10 +191,11 @@ class BlockRegistry:
     # ------------------------------------------------------------------ readers
     def pin(self, entry: BlockEntry) -> None:
         entry.pins += 1
-        if entry.pins == 1:
+        if entry.pins == 1:  # every load pins each block of its hit: the hot path, kept to dict operations
             for tier in entry.copies:
-                self.pools[tier].pinned += 1
-            self._refresh(entry)
+                pool = self.pools[tier]
+                pool.pinned += 1
+                pool.lru.remove(entry.key)  # what _refresh does to a block that is not free
 
     def unpin(self, entry: BlockEntry) -> None:
         if entry.pins == 0:

@@ -64,14 +64,18 @@ class FrequencyFilter:
     def hit_many(self, keys: Iterable[BlockHash]) -> None:
         """:meth:`hit` for each key (a load's whole prefix) in one pass: the doubling rule and
         the bound live here only."""
-        table, step, move, bound = self._table, self._step, self._table.move_to_end, self.max_entries
+        table, step, get, move, bound = self._table, self._step, self._table.get, self._table.move_to_end, \
+            self.max_entries
         for key in keys:
-            entry = table.get(key)
-            freq = max(0, entry[0] - (step - entry[1])) if entry is not None else 0
+            entry = get(key)
+            if entry is None:
+                table[key] = (2, step)  # a new key goes in last (most recently touched); only it grows the table
+                if len(table) > bound:
+                    table.popitem(last=False)
+                continue
+            freq = entry[0] - (step - entry[1])
             table[key] = (2 * freq if freq > 0 else 2, step)
             move(key)
-            if len(table) > bound:
-                table.popitem(last=False)
 
     def decay(self, prune_budget: int = 10_000) -> None:
         """One decay step: every frequency drops by 1; zeros are forgotten.

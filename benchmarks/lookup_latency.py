@@ -1,0 +1,125 @@
+"""The connector's lookup on a real node: one ``PrepareLoad`` (match, count the hit, pin) of a
+stored prefix, as the scheduler role sends it for every new request, timed from the engine's
+side, for one or more source trees in alternating passes.
+
+    python3 benchmarks/lookup_latency.py [--blocks 1258] [--reps 200] [--passes 3]
+                                         [--src DIR ...] [--json out.json]
+
+Each pass starts a leader and one CPU worker (child processes, real gRPC over unix sockets) from
+each ``--src`` checkout in turn (default: this one), offloads ``--blocks`` blocks (1258: a
+20K-token prompt in 16-token blocks), then times ``--reps`` lookups through
+:class:`~kvbm_client.leader_session.LeaderSession` (the connector's own client), each followed
+by the ``Release`` an unused hit gets (untimed). Reports, per source: the median over passes of
+each pass's p50, each pass's p50 / p90, and the client-side cost alone (building the request
+and reading the answer, no round trip).
+
+The 20K-token lookup was the second-largest fixed cost of a hit's TTFT on the H100 (6.3 ms of
+97 ms, 2026-11-25): this measures the leader's share of it where a GPU is not needed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from provenance import provenance
+
+from kvbm_client import KvbmClient, KvbmConfig, ShmKvBuffer, sequence_hashes
+from kvbm_client.contract import pb
+from kvbm_client.handles import load_handle
+from kvbm_client.leader_session import LeaderSession
+from kvbm_client.local_node import LocalNode, isolated_env
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def one_pass(src: Path, blocks: int, reps: int) -> list[float]:
+    """Lookup round trips (ms) against a node run from ``src``."""
+    with tempfile.TemporaryDirectory(prefix="kvbm-lookup-", dir="/tmp") as tmp:
+        root = Path(tmp)
+        env = isolated_env(root, {"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": blocks + 64, "DYN_LOG": "warning",
+                                  "DYN_KVBM_HOST_FREE_WATERMARK": "0",
+                                  "PYTHONPATH": os.pathsep.join(filter(None, [str(src), os.environ.get("PYTHONPATH")]))})
+        keys = sequence_hashes(list(range(blocks * 16)), 16)
+        with LocalNode(env, 1, log_dir=root, cwd=src).start() as node:
+            config = KvbmConfig.from_env(env)
+            engine = ShmKvBuffer(blocks, 2, 512, directory=str(root))
+            client = KvbmClient(config)
+            try:
+                client.register_region("0", engine.spec())
+                client.wait_ready(60)
+                client.wait(client.offload(keys, list(range(blocks))))
+                session = LeaderSession(node.leader_address, timeout=10, config=config)
+                samples = []
+                for i in range(reps + 10):  # the first 10 warm up and are dropped
+                    t = time.perf_counter()
+                    handle = session.prepare_load(keys, count_hit=True, tokens_per_block=16)
+                    ms = (time.perf_counter() - t) * 1e3
+                    assert handle.num_blocks == blocks, f"matched {handle.num_blocks} of {blocks}"
+                    session.release(handle)
+                    if i >= 10:
+                        samples.append(ms)
+                session.close()
+            finally:
+                client.close()
+                engine.close()
+    return samples
+
+
+def client_side_ms(blocks: int, reps: int = 200) -> float:
+    """What the client spends per lookup without the round trip: the request built and
+    serialized, an answer of ``blocks`` entries parsed (median ms)."""
+    keys = sequence_hashes(list(range(blocks * 16)), 16)
+    plan = pb.TransferPlan(tiers=[1] * blocks, slots=list(range(blocks))).SerializeToString()
+    answer = pb.PrepareLoadResponse(num_planned=blocks, plan=pb.SignedPlan(plan=plan, signature=b"s" * 32))
+    wire = answer.SerializeToString()
+    out = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        pb.PrepareLoadRequest(hashes=list(keys), count_hit=True, tokens_per_block=16).SerializeToString()
+        load_handle(pb.PrepareLoadResponse.FromString(wire))
+        out.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--blocks", type=int, default=1258, help="blocks of the stored prefix [1258: 20K tokens]")
+    ap.add_argument("--reps", type=int, default=200, help="timed lookups per pass [200]")
+    ap.add_argument("--passes", type=int, default=3, help="alternating passes over the sources [3]")
+    ap.add_argument("--src", action="append", default=[], help="a checkout to run the daemons from (repeat: "
+                                                               "compared in one run) [this one]")
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    record = provenance()
+    srcs = [Path(s).resolve() for s in args.src] or [REPO]
+    per: dict[str, list[list[float]]] = {str(s): [] for s in srcs}
+    for p in range(args.passes):
+        for src in srcs:
+            samples = one_pass(src, args.blocks, args.reps)
+            per[str(src)].append(samples)
+            q = statistics.quantiles(samples, n=10)
+            print(f"pass {p} {src}: p50 {statistics.median(samples):.2f} ms p90 {q[8]:.2f} ms", flush=True)
+    rows = []
+    for src, passes in per.items():
+        p50s = [statistics.median(s) for s in passes]
+        p90s = [statistics.quantiles(s, n=10)[8] for s in passes]
+        rows.append({"src": src, "p50_ms": round(statistics.median(p50s), 3), "p90_ms": round(statistics.median(p90s), 3),
+                     "p50_per_pass": [round(x, 3) for x in p50s], "p90_per_pass": [round(x, 3) for x in p90s]})
+        print(f"{src}: p50 {rows[-1]['p50_ms']:.2f} ms (passes {rows[-1]['p50_per_pass']}), "
+              f"p90 {rows[-1]['p90_ms']:.2f} ms")
+    client = client_side_ms(args.blocks)
+    print(f"client side alone (request built, answer read): {client:.3f} ms")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"provenance": record, "blocks": args.blocks, "reps": args.reps,
+                                               "rows": rows, "client_side_ms": round(client, 3)}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
