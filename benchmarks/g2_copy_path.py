@@ -26,8 +26,10 @@ Measured on an H100 (2026-11-25, ``results/g2_copy_path_h100_2026-11-25c.json``)
 within 1 % of each other (one memcpy 54.4-55.0 ms; the lane's code 55.8-56.6 ms, first layer
 group landed at 10.7 ms), so kvbm keeps 4 KiB shared pages. Inside the daemon, in the TTFT runs
 of the same day, the same code took 58-82 ms and its first group landed at 21-39 ms after the
-engine's call: ``--gap-s 0.5`` (idle between copies, as between requests) is the next thing to
-measure there.
+engine's call. ``--gap-s 0.5`` (the GPU idle before each copy, as between requests; fourth
+session, ``results/g2_copy_path_h100_2026-11-25d_gap{0,0.5}.json``): medians 55.6 -> 59.7 ms, first
+group 9.8 -> 11.2 ms, and two of five plain memcpys took 80 and 84 ms instead of 54 (the samples
+are in the file).
 """
 from __future__ import annotations
 
