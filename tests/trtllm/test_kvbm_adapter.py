@@ -37,9 +37,10 @@ B = 4
 REPO = Path(__file__).resolve().parents[2]
 
 
-def llm_args(tp: int = 1, rank: int = 0, **kv) -> TorchLlmArgs:
+def llm_args(tp: int = 1, rank: int = 0, disable_overlap_scheduler: bool = False, **kv) -> TorchLlmArgs:
     kv = {"enable_partial_reuse": False, "tokens_per_block": B, **kv}
-    return TorchLlmArgs(kv_cache_config=KvCacheConfig(**kv), parallel_config=_ParallelConfig(tp_size=tp, rank=rank))
+    return TorchLlmArgs(kv_cache_config=KvCacheConfig(**kv), parallel_config=_ParallelConfig(tp_size=tp, rank=rank),
+                        disable_overlap_scheduler=disable_overlap_scheduler)
 
 
 @pytest.fixture
@@ -307,7 +308,9 @@ class FakeWorkerCore:
     def fence(self):
         self.calls.append("fence")
 
-    def start_loads(self, loads, wait=True):
+    def start_loads(self, loads, wait=True, ready=None):
+        if loads and ready is not None:
+            ready()  # as the core does: first, before any load is sent
         self.calls.append(("start_loads", len(loads), wait))
 
     def wait_loads(self):
@@ -351,3 +354,45 @@ def test_a_pass_that_completes_stores_once_and_needs_no_fence(options):
     worker.wait_for_save(None)  # the same metadata again: nothing twice
     assert worker.get_finished([12], []) == ([12], [])
     assert core.calls == [("start_loads", 1, False), "wait_loads", ("start_stores", 1)]
+
+
+class FakeStream:
+    """TEST DOUBLE of the forward's CUDA stream: counts synchronizations."""
+
+    def __init__(self, calls) -> None:
+        self.calls = calls
+
+    def synchronize(self):
+        self.calls.append("stream.synchronize")
+
+
+@pytest.mark.parametrize("disable_overlap,synchronized", [(False, True), (True, False)])
+def test_gpu_loads_wait_for_the_previous_iteration_only_under_the_overlap_scheduler(options, disable_overlap,
+                                                                                    synchronized):
+    """Under the overlap scheduler TensorRT-LLM frees a finished request's blocks while the
+    iteration that may still write them runs: a load into them waits until the forward stream
+    ran it (the daemon copies on a stream of its own)."""
+    core = FakeWorkerCore()
+    worker = KvbmConnectorWorker(llm_args(disable_overlap_scheduler=disable_overlap), core=core)
+    worker.kv_cache_tensor = SimpleNamespace(is_cuda=True)  # a GPU pool (registered without a daemon here)
+    worker.bind_connector_meta(PLAN)
+    worker.start_load_kv(FakeStream(core.calls))
+    expected = ["stream.synchronize"] if synchronized else []
+    assert core.calls == [*expected, ("start_loads", 1, False)]
+    worker.bind_connector_meta(StepPlan(stores=PLAN.stores))
+    worker.start_load_kv(FakeStream(core.calls))
+    assert "stream.synchronize" not in core.calls[len(expected) + 1:], "a pass without loads does not wait"
+
+
+@pytest.mark.parametrize("disable_overlap,early", [(False, False), (True, True)])
+def test_early_loads_are_off_under_the_overlap_scheduler(options, monkeypatch, disable_overlap, early):
+    options(early_loads=True)
+    from kvbm_client.connectors.trtllm import scheduler as scheduler_module
+    monkeypatch.setattr(scheduler_module, "EarlyLoads", lambda settings, workers: SimpleNamespace(close=lambda: None))
+    args = llm_args(disable_overlap_scheduler=disable_overlap)
+    assert trtllm_settings(args).overlap_scheduler is not disable_overlap
+    role = scheduler_module.KvbmConnectorScheduler(args, leader=FakeLeader(stored=0))
+    try:
+        assert (role.core._early is not None) is early
+    finally:
+        role.shutdown()

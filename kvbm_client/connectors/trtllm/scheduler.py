@@ -81,10 +81,17 @@ class KvbmConnectorScheduler(KvCacheConnectorScheduler):
         settings = trtllm_settings(llm_args)
         for warning in config_warnings(llm_args):
             log.warning("kvbm: %s", warning)
-        early = EarlyLoads(settings.core, settings.worker_ids) if settings.core.early_loads else None
+        # NOTE: not under the overlap scheduler: TensorRT-LLM frees a finished request's blocks
+        # while the iteration that may still write them runs, and only the worker role orders a
+        # load after it (its start_load_kv); a load sent from here could land first
+        early_ok = settings.core.early_loads and not settings.overlap_scheduler
+        log.info("kvbm: early loads %s", "on" if early_ok else "off (early_loads is false)" if not
+                 settings.core.early_loads else "off (overlap scheduler: the worker role starts each load)")
+        early = EarlyLoads(settings.core, settings.worker_ids) if early_ok else None
         self.block_size = settings.block_size
         self.core = SchedulerCore(settings.block_size, settings.core,
-                                  leader or LeaderLink(settings.core, "trtllm-scheduler"), _extras_of, early)
+                                  leader or LeaderLink(settings.core, "trtllm-scheduler"), _extras_of, early,
+                                  overlapping_steps=2 if settings.overlap_scheduler else 1)
         self._tracked: dict[RequestId, _Tracked] = {}
         #: connector tokens of lookups since the last build (TensorRT-LLM subtracts exactly
         #: these from a new request's ``computed_position`` in the next build)

@@ -42,6 +42,10 @@ class TrtllmSettings:
     world_size: int
     #: the kvbm worker daemon of each rank (``worker_ids[rank]`` serves this process)
     worker_ids: tuple[WorkerId, ...]
+    #: TensorRT-LLM's overlap scheduler (its default): the next iteration is scheduled, and a
+    #: finished request's blocks may be given to another request, while the GPU still runs the
+    #: iteration that may write them
+    overlap_scheduler: bool = True
 
     @property
     def worker_id(self) -> WorkerId:
@@ -92,7 +96,8 @@ def trtllm_settings(llm_args: Any, environ: Mapping[str, str] | None = None) -> 
     if core.load_mode is LoadMode.LAYERWISE:
         raise ValueError(f"{CONFIG_ENV}: load_mode 'layerwise' is the vLLM connector's (its per-layer waits); "
                          "use 'sync' or 'async' with TensorRT-LLM")
-    return TrtllmSettings(core, block_size, rank, world_size, tuple(worker_ids(extra, world_size)))
+    return TrtllmSettings(core, block_size, rank, world_size, tuple(worker_ids(extra, world_size)),
+                          overlap_scheduler=not bool(getattr(llm_args, "disable_overlap_scheduler", False)))
 
 
 def config_warnings(llm_args: Any) -> list[str]:

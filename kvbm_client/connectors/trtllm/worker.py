@@ -5,8 +5,11 @@ Runs on every rank, on the executor's thread, beside that rank's kvbm worker dae
 fences, load errors) is :class:`~kvbm_client.connectors.core.WorkerCore`; this adapter
 describes TensorRT-LLM's KV pool (:mod:`.kv_region`) and maps its hooks:
 
-* ``start_load_kv``: fence if the step's plan says so, then send the step's loads (the scheduler
-  role usually started them already; the daemon joins the copy);
+* ``start_load_kv``: fence if the step's plan says so, then send the step's loads (without the
+  overlap scheduler the scheduler role usually started them already; the daemon joins the copy).
+  Under the overlap scheduler (TensorRT-LLM's default) a GPU load is sent only once the forward
+  stream ran the iteration before: TensorRT-LLM frees a finished request's blocks while that
+  iteration, which may still write them, runs, and the daemon copies on a stream of its own;
 * ``wait_for_layer_load`` (first layer of the pass): wait for the synchronous loads. TensorRT-LLM
   has no way to recompute a block whose load failed (its ``get_finished`` returns two id lists,
   nothing else), so a failed load - synchronous, or an asynchronous one reported loaded since -
@@ -90,7 +93,9 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):
         attach_engine_logging()
         settings = trtllm_settings(llm_args)
         self.rank = settings.rank
-        self.core = core or WorkerCore(WorkerId(settings.worker_id), settings.core)
+        self.overlap_scheduler = settings.overlap_scheduler
+        self.core = core or WorkerCore(WorkerId(settings.worker_id), settings.core,
+                                       overlapping_steps=2 if settings.overlap_scheduler else 1)
         self.kv_cache_tensor: Any = None  # kept alive while the daemon addresses it
         self._ids = AsyncIds()
         self._loaded_plan: StepPlan | None = None  # the plan whose loads were sent
@@ -116,7 +121,7 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):
         self._loaded_plan = plan
         if plan.fence:
             self.core.fence()
-        self.core.start_loads(plan.loads, wait=False)
+        self.core.start_loads(plan.loads, wait=False, ready=self._earlier_iterations_ran(stream))
 
     def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
         if not self._loads_checked:
@@ -143,6 +148,14 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):
             self.core.fence()  # TensorRT-LLM frees the failed requests' blocks: no store may still read them
             raise KvbmTransferError(f"kvbm worker {self.core.worker_id}: {len(failed)} blocks could not be loaded "
                                     f"(e.g. engine block {min(failed)}); the requests fail and are recomputed on retry")
+
+    def _earlier_iterations_ran(self, stream: Any) -> Callable[[], None] | None:
+        """A wait until the forward stream ran what was enqueued before this pass (the previous
+        iteration), for loads under the overlap scheduler on a GPU; None where nothing runs
+        behind the executor's back (the CPU, or one iteration at a time)."""
+        if not self.overlap_scheduler or self.kv_cache_tensor is None or not self.kv_cache_tensor.is_cuda:
+            return None
+        return stream.synchronize
 
     def _kv_written(self, stream: Any) -> Callable[[], None] | None:
         """A wait for this pass's KV: None on the CPU (written when the hook runs); on a GPU a CUDA
