@@ -197,7 +197,8 @@ def main() -> None:
                "page_bytes": page, "slot_bytes": geo.slot_bytes, "device": torch.cuda.get_device_name(0),
                "thp": thp_settings(), "huge_bytes": huge, "rows": rows, "landed_ms_median": groups}
     for r in rows:
-        print(f"{r['way']:<40} {r['ms']:8.2f} ms {r['GB_s']:6.1f} GB/s")
+        print(f"{r['way']:<40} {r['ms']:8.2f} ms {r['GB_s']:6.1f} GB/s  "
+              f"(samples {min(r['samples_ms']):.1f}-{max(r['samples_ms']):.1f} ms)")  # a median hides slow copies
     print(json.dumps({k: v for k, v in summary.items() if k not in ("provenance", "rows")}))
     if args.json:
         with open(args.json, "w") as f:
