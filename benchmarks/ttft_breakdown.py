@@ -14,7 +14,7 @@ the row's start time ``t0``:
   front      t0 -> the scheduler role asks the leader (vLLM front end, request hashing, queue)
   lookup     PrepareLoad round trip (match + count + pin at the leader)
   to_copy    PrepareLoad answered -> the copy is sent to the worker daemon (vLLM allocation; with
-             early loads the scheduler role sends it from update_state_after_alloc, else the
+             early loads the scheduler role sends it at the end of the step's scheduling, else the
              worker role does, after the step's PrepareStore and input preparation)
   head_start the copy sent early -> the worker role asks for it (0 without early loads)
   wait       the worker role's Transfer submitted -> answered (what the engine's thread waits,
@@ -23,6 +23,8 @@ the row's start time ``t0``:
   ret        finished -> generate() returned
   (front + lookup + to_copy + head_start + wait + after_load + ret = ttft)
   store_prep PrepareStore round trip of the step (inside to_copy or head_start)
+  alloc      PrepareLoad answered -> vLLM allocated the blocks (inside to_copy; traces from
+             before the "allocated" event: nan)
   copy       the copy on the daemon's lane, from its answer (it starts at the end of to_copy)
   layer_wait layer-pipelined loads (``ours_layerwise``): what the engine's thread waited in the
              layer hooks of the step (the rest of ``wait`` overlapped the forward)
@@ -36,8 +38,8 @@ import statistics
 
 from peer_passes import slots, summarize, summary_line
 
-FIELDS = ("ttft", "front", "lookup", "to_copy", "head_start", "wait", "after_load", "ret", "store_prep", "copy",
-          "layer_wait", "first_group", "blocks")
+FIELDS = ("ttft", "front", "lookup", "to_copy", "head_start", "wait", "after_load", "ret", "store_prep", "alloc",
+          "copy", "layer_wait", "first_group", "blocks")
 
 
 def load_runs(path: str, pass_index: int | None = None) -> list[dict]:
@@ -84,10 +86,12 @@ def breakdown(rows: list[dict], events: list[dict]) -> list[dict]:
         load_start = ld["t"] - ld["submit_to_done_ms"] / 1e3
         early = [e for e in pick("early_load") if e["req"] == ld["req"]]
         copy_start = early[0]["t"] if early else load_start
+        alloc = [e for e in pick("allocated") if e["req"] == ld["req"]]
         out.append({"ttft": r["ttft_s"] * 1e3, "front": (p["t"] - p["ms"] / 1e3 - t0) * 1e3, "lookup": p["ms"],
                     "to_copy": (copy_start - p["t"]) * 1e3, "head_start": (load_start - copy_start) * 1e3,
                     "wait": ld["submit_to_done_ms"], "after_load": (f["t"] - ld["t"]) * 1e3,
                     "ret": (t1 - f["t"]) * 1e3, "store_prep": sum(e["ms"] for e in pick("prepare_store")),
+                    "alloc": (alloc[0]["t"] - p["t"]) * 1e3 if alloc else float("nan"),
                     "copy": ld.get("copy_ms", float("nan")),
                     "layer_wait": sum(e["waited_ms"] for e in pick("layer_waits")) if pick("layer_waits") else float("nan"),
                     "first_group": (ld.get("landed_ms") or [float("nan")])[0], "blocks": ld["blocks"]})

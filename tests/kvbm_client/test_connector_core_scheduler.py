@@ -291,3 +291,23 @@ def test_requests_without_an_identity_are_left_alone():
     req = Request("e", list(range(12)), extras=None)  # e.g. prompt embeddings
     tokens, plan = run_prefill(core, req, [0, 1, 2])
     assert tokens == 0 and plan.stores == [] and leader.calls == []
+
+
+def test_the_trace_marks_when_the_engine_allocated_a_hits_blocks(tmp_path, monkeypatch):
+    """ttft_breakdown.py splits "answer -> copy sent" at this event (vLLM's allocation vs the
+    rest of its scheduling)."""
+    import json
+
+    from kvbm_client.connectors.core import tracing
+    path = tmp_path / "trace.jsonl"
+    monkeypatch.setattr(tracing, "TRACE_PATH", str(path))
+    leader, early = FakeLeader(), FakeEarly()
+    run_prefill(make(leader), Request("x", list(range(21))), [0, 1, 2, 3, 4, 5])
+    core = make(leader, early=early)
+    core.lookup(Request("y", list(range(21))), 0)
+    core.allocated("y", [10, 11, 12, 13, 14, 15], 5 * BS)
+    core.step({})
+    events = [json.loads(line) for line in path.read_text().splitlines()]
+    whats = [e["what"] for e in events]
+    assert whats.index("prepare_load") < whats.index("allocated") < whats.index("early_load")
+    assert next(e for e in events if e["what"] == "allocated")["blocks"] == 5

@@ -214,6 +214,8 @@ class SchedulerCore:
         self._loads.append(spec)
         state.load_sent = True
         state.num_stored = max(state.num_stored, first + n)
+        if tracing():
+            trace("allocated", req=req_id, blocks=n)
 
     def _release(self, state: RequestState) -> None:
         if state.load is not None and not state.load_sent:
