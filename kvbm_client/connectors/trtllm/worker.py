@@ -155,6 +155,9 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):
         behind the executor's back (the CPU, or one iteration at a time)."""
         if not self.overlap_scheduler or self.kv_cache_tensor is None or not self.kv_cache_tensor.is_cuda:
             return None
+        if stream is None:  # (TensorRT-LLM passes its forward stream; never raise from this hook)
+            import torch
+            stream = torch.cuda.current_stream()
         return stream.synchronize
 
     def _kv_written(self, stream: Any) -> Callable[[], None] | None:
