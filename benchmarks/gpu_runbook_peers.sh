@@ -35,8 +35,7 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
                $A20 $H --timeout 600 --passes 2 --cuda-graphs >"$R/graphs20.log" 2>&1 ;;
     stress) python3 -m tests.stress.run --users 12 --turns 3 --gpu 0 --async-scheduling on --block-size 16 \
               --dtype float32 --load-mode layerwise --passes none --skip-baseline-check --timeout 240 \
-              --work /tmp/sw --out "$R/stress_async_early.json" >"$R/stress.log" 2>&1
-            grep -rh "early loads" /tmp/sw | sort | uniq -c >"$R/stress_early_lines.txt" ;;
+              --work /tmp/sw --out "$R/stress_async_early.json" >"$R/stress.log" 2>&1 ;;
     greedy) $T "$R/greedy8_layerwise.jsonl" baseline,ours_layerwise $G8 >"$R/greedy.log" 2>&1 ;;
     eager8) KVBM_CONNECTOR_TRACE=$R/t8k_eager.jsonl $T "$R/ttft8k_eager.jsonl" native,lmcache,dynamo,ours_layerwise \
                $H --timeout 300 --passes 2 >"$R/eager8.log" 2>&1 ;;

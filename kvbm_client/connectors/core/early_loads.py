@@ -35,6 +35,25 @@ log = logging.getLogger("kvbm.connector")
 FORGET_CODES = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE)
 
 
+def early_loads_decision(wanted: bool, has_workers: bool, overlapping_steps: int,
+                         defers_block_frees: bool) -> tuple[bool, str]:
+    """Whether an engine's scheduler side starts loads early, and why (pure). With overlapping
+    steps only where the engine keeps freed blocks out of its pool until the steps in flight
+    that may write them have run: else the next step may be given a block a step in flight
+    still writes, and only the worker side orders a load after it (issue 17 window 4)."""
+    if not wanted:
+        return False, "early_loads is false"
+    if not has_workers:
+        return False, "no worker daemon is known to this role"
+    if overlapping_steps <= 1:
+        return True, "one engine step at a time"
+    if defers_block_frees:
+        return True, (f"{overlapping_steps} steps in flight; the engine defers block frees past them, and no "
+                      "load starts early while a step in flight fenced")
+    return False, (f"{overlapping_steps} steps in flight and the engine reuses freed blocks at once: only the "
+                   "worker role may start a load")
+
+
 class _WorkerLink:
     """One worker daemon, as the scheduler side sees it: its engine region id and the early
     calls not yet finished."""

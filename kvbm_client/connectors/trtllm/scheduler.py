@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...logs import attach_engine_logging
-from ..core.early_loads import EarlyLoads
+from ..core.early_loads import EarlyLoads, early_loads_decision
 from ..core.leader_link import LeaderLink, LeaderPort
 from ..core.scheduler import EngineRequest, SchedulerCore
 from ..core.specs import RequestId, StepPlan
@@ -81,17 +81,18 @@ class KvbmConnectorScheduler(KvCacheConnectorScheduler):
         settings = trtllm_settings(llm_args)
         for warning in config_warnings(llm_args):
             log.warning("kvbm: %s", warning)
-        # NOTE: not under the overlap scheduler: TensorRT-LLM frees a finished request's blocks
-        # while the iteration that may still write them runs, and only the worker role orders a
-        # load after it (its start_load_kv); a load sent from here could land first
-        early_ok = settings.core.early_loads and not settings.overlap_scheduler
-        log.info("kvbm: early loads %s", "on" if early_ok else "off (early_loads is false)" if not
-                 settings.core.early_loads else "off (overlap scheduler: the worker role starts each load)")
+        # NOTE: the overlap scheduler runs two iterations at once, and TensorRT-LLM frees a finished
+        # request's blocks while the iteration that may still write them runs (no deferred frees):
+        # only the worker role orders a load after it (its start_load_kv)
+        overlapping = 2 if settings.overlap_scheduler else 1
+        early_ok, why = early_loads_decision(settings.core.early_loads, bool(settings.worker_ids), overlapping,
+                                             defers_block_frees=False)
+        log.info("kvbm: early loads %s (%s)", "on" if early_ok else "off", why)
         early = EarlyLoads(settings.core, settings.worker_ids) if early_ok else None
         self.block_size = settings.block_size
         self.core = SchedulerCore(settings.block_size, settings.core,
                                   leader or LeaderLink(settings.core, "trtllm-scheduler"), _extras_of, early,
-                                  overlapping_steps=2 if settings.overlap_scheduler else 1)
+                                  overlapping_steps=overlapping)
         self._tracked: dict[RequestId, _Tracked] = {}
         #: connector tokens of lookups since the last build (TensorRT-LLM subtracts exactly
         #: these from a new request's ``computed_position`` in the next build)

@@ -18,7 +18,7 @@ import logging
 from typing import Any, Sequence
 
 from ...hashing import MultimodalSpan, RequestExtras
-from ..core.early_loads import EarlyLoads
+from ..core.early_loads import EarlyLoads, early_loads_decision
 from ..core.leader_link import LeaderLink, LeaderPort
 from ..core.scheduler import EngineRequest, SchedulerCore
 from ..core.settings import ConnectorSettings
@@ -58,22 +58,6 @@ def multimodal_spans(request: Any) -> tuple[MultimodalSpan, ...] | None:
         return None
     spans = (MultimodalSpan(str(identifier), int(pos.offset), int(pos.length)) for identifier, pos in pairs)
     return tuple(sorted(spans, key=lambda s: s.offset))
-
-
-def early_loads_decision(wanted: bool, has_workers: bool, overlapping_steps: int,
-                         defers_block_frees: bool) -> tuple[bool, str]:
-    """Whether the scheduler role starts loads early, and why (pure)."""
-    if not wanted:
-        return False, "early_loads is false"
-    if not has_workers:
-        return False, "no worker daemon is known to this role"
-    if overlapping_steps <= 1:
-        return True, "one engine step at a time"
-    if defers_block_frees:
-        return True, (f"{overlapping_steps} steps in flight; vLLM defers block frees past them, and no load "
-                      "starts early while a step in flight fenced")
-    return False, (f"{overlapping_steps} steps in flight and this vLLM reuses freed blocks at once: only the "
-                   "worker role may start a load")
 
 
 class KvbmConnectorScheduler:
