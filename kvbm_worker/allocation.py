@@ -27,6 +27,7 @@ from kvbm_client.contract import pb
 from kvbm_client.g3_files import shard_fingerprint
 from kvbm_client.ids import Tier
 
+from .grouping import GroupPacing
 from .handlers.cuda_copier import CopyMechanism
 from .handlers.disk import open_disk_io
 from .handlers.disk_guard import TimedDiskIO
@@ -44,6 +45,7 @@ class DataPath:
     gpu: int | None = None  # CUDA device: CUDA IPC regions, pinned G2, CUDA streams
     cuda_copy: CopyMechanism = CopyMechanism.AUTO
     prefer_nixl: bool = True  # G3 through NIXL's POSIX backend when it loads
+    pacing: GroupPacing = GroupPacing()  # how layer-grouped loads are cut and queued
 
 
 @dataclass
@@ -197,9 +199,10 @@ class PoolAllocator:
                progress: AllocationProgress) -> BlockMover:
         checksums = self.config.host_checksums
         if self.path.gpu is None:
-            return BlockMover(host, disk, disk_io, host_checksums=checksums)
+            return BlockMover(host, disk, disk_io, host_checksums=checksums, pacing=self.path.pacing)
         from .handlers.cuda import CudaMover  # lazy: CUDA only on a GPU worker
-        return CudaMover(host, disk, disk_io, host_checksums=checksums, device=self.path.gpu,
+        return CudaMover(host, disk, disk_io, host_checksums=checksums, pacing=self.path.pacing,
+                         device=self.path.gpu,
                          mechanism=self.path.cuda_copy, progress=progress.second_half, deadline=progress.deadline)
 
     @property

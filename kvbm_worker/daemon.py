@@ -34,6 +34,7 @@ from kvbm_client.serving import make_server, start_server
 
 from .allocation import DataPath
 from .cluster import WorkerCluster
+from .grouping import GROUP_DEPTH, PIECE_BYTES, GroupPacing
 from .handlers.cuda_copier import CopyMechanism
 from .leader_link import LeaderLink
 from .service import WorkerService
@@ -169,6 +170,17 @@ def build_parser() -> argparse.ArgumentParser:
                              "runtime has it (>= 12.8); else one DMA per contiguous run when runs average >= 256 KiB, "
                              "else a GPU gather into staging + DMA]")
     parser.add_argument("--no-nixl", action="store_true", help="use preadv/pwritev for disk I/O instead of NIXL")
+    parser.add_argument("--load-piece-mb", type=float, default=PIECE_BYTES / (1 << 20), metavar="MIB",
+                        help="a layer-grouped load (the connector's layerwise mode) is copied in pieces of at most "
+                             "this many MiB of one layer group's pages; the engine hears of a group once its last "
+                             f"piece landed [default {PIECE_BYTES >> 20}]")
+    parser.add_argument("--load-ahead", type=int, default=GROUP_DEPTH, metavar="N",
+                        help="pieces of a layer-grouped load queued on the copy stream behind the one the copy "
+                             "lane waits for; 0: all of them (a piece is queued only if it would land before the "
+                             f"job's deadline at 1 GB/s) [default {GROUP_DEPTH}]")
+    parser.add_argument("--switch-interval-ms", type=float, default=None, metavar="MS",
+                        help="Python's thread switch interval in this daemon: at most how long a copy lane waits "
+                             "for the interpreter lock while another thread holds it [default Python's, 5]")
     add_config_arguments(parser)
     return parser
 
@@ -178,7 +190,12 @@ def data_path(args: argparse.Namespace) -> DataPath:
     mechanism = CopyMechanism(args.cuda_copy)
     if args.gpu is None and mechanism is not CopyMechanism.AUTO:
         raise KvbmConfigError("--cuda-copy applies to the GPU data path: give --gpu DEVICE")
-    return DataPath(gpu=args.gpu, cuda_copy=mechanism, prefer_nixl=not args.no_nixl)
+    if not 0 < args.load_piece_mb <= 1 << 20 or args.load_ahead < 0:
+        raise KvbmConfigError(f"--load-piece-mb must be in (0, {1 << 20}] and --load-ahead >= 0")
+    if args.switch_interval_ms is not None and not 0 < args.switch_interval_ms <= 1000:
+        raise KvbmConfigError("--switch-interval-ms must be in (0, 1000]")
+    pacing = GroupPacing(int(args.load_piece_mb * (1 << 20)), args.load_ahead)
+    return DataPath(gpu=args.gpu, cuda_copy=mechanism, prefer_nixl=not args.no_nixl, pacing=pacing)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     except KvbmConfigError as exc:
         print(f"kvbm-worker: {exc}", file=sys.stderr)
         return 2
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
     rank = args.rank if args.rank is not None else (int(args.worker_id) if args.worker_id.isdigit() else 0)
     daemon = WorkerDaemon(config, args.worker_id, rank, args.listen, args.leader, path)
     import uvloop

@@ -52,6 +52,19 @@ def group_bounds(pages_per_block: int, groups: int) -> list[int]:
     return [(g + 1) * pages_per_block // groups for g in range(groups)]
 
 
+@dataclass(frozen=True, slots=True)
+class PieceTimes:
+    """One piece of a layer-grouped load, for the job's debug line: perf_counter times on the
+    lane when its issue began, when it was issued and when the lane saw it landed; ``gpu_ms``:
+    when it landed by the GPU's clock, ms after a mark the medium recorded right before the
+    first piece was issued (None where the medium has no such clock)."""
+
+    began: float
+    issued: float
+    landed: float
+    gpu_ms: float | None = None
+
+
 @dataclass(slots=True)
 class Landed:
     """How many leading pages of every block of a load are in the engine's memory (on the
@@ -66,9 +79,9 @@ class Landed:
     t0: float = field(default_factory=time.perf_counter)
     lane_ms: list[float] = field(default_factory=list)
     loop_ms: list[float] = field(default_factory=list)
-    #: (issue began, issued, landed) perf_counter times of each piece, appended on the lane
-    #: thread while the copy runs (:class:`~.mover.Grouping`); read once the job's copy returned
-    pieces: list[tuple[float, float, float]] = field(default_factory=list)
+    #: each piece's times, appended on the lane thread while the copy runs
+    #: (:class:`~.mover.Grouping`); read once the job's copy returned
+    pieces: list[PieceTimes] = field(default_factory=list)
 
     def advance(self, pages: int, on_lane: float | None = None) -> None:
         if on_lane is not None:
@@ -87,10 +100,16 @@ class Landed:
         """The group and piece times for the job's debug line ("" before any group landed)."""
         if not self.lane_ms:
             return ""
-        pieces = [tuple(round((t - self.t0) * 1e3, 1) for t in piece) for piece in self.pieces]
-        return (f"; groups landed on the lane at {[round(t, 1) for t in self.lane_ms]} ms, on the loop at "
+        def ms(t: float) -> float:
+            return round((t - self.t0) * 1e3, 1)
+        pieces = [(ms(p.began), ms(p.issued), ms(p.landed)) for p in self.pieces]
+        line = (f"; groups landed on the lane at {[round(t, 1) for t in self.lane_ms]} ms, on the loop at "
                 f"{[round(t, 1) for t in self.loop_ms]} ms after the job started; pieces (issue began, issued, "
                 f"landed) at {pieces} ms")
+        if self.pieces and all(p.gpu_ms is not None for p in self.pieces):
+            first = ms(self.pieces[0].began)  # the GPU's mark was recorded right before this
+            line += f"; by the GPU's clock landed at {[round(first + (p.gpu_ms or 0.0), 1) for p in self.pieces]} ms"
+        return line
 
 
 @dataclass(slots=True)

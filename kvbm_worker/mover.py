@@ -10,10 +10,9 @@ CPU engine's shared memory; :class:`~.handlers.cuda.CudaMover` for CUDA IPC regi
 Order within a batch: demotions, promotions, then the entries (a STORE may reuse the host
 slot of a block it first demotes to disk).
 
-Layer groups (a LOAD from G2 with a :class:`Grouping`): the pages of every block move group
-by group in page order, and ``Grouping.landed`` is called with a group's end page once its
-bytes are in the engine's memory, so the engine's forward of a layer waits only for that
-layer (``TransferLayers``). The time check at the end still decides the job's outcome.
+Layer groups (a LOAD from G2 with a :class:`~.grouping.Grouping`, pieces as :mod:`.grouping`
+cuts them): ``Grouping.landed`` is called with a group's end page once its bytes are in the
+engine's memory (``TransferLayers``); the time check at the end still decides the outcome.
 
 Integrity (every G3 slot; G2 slots with ``host_checksums``): a slot's xxh3-64 is computed
 on the lane from the bytes written (:mod:`.checksums`) and checked after every read, before
@@ -28,7 +27,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import numpy as np
@@ -42,7 +40,8 @@ from .errors import CopyExpired, SlotsFailed
 from .handlers import cpu
 from .handlers.disk_guard import DiskHung, DiskTimeout, TimedDiskIO
 from .id_arrays import EngineBlocks, Slots
-from .jobs import JobKey
+from .grouping import DMA_FLOOR_BPS, GroupPacing, Grouping as Grouping, group_pieces
+from .jobs import JobKey, PieceTimes
 from .lanes import Lane
 from .plan_check import Batch
 from .pools import DiskPool, HostPool
@@ -52,25 +51,10 @@ from .runs import chunks, segments
 Ids = npt.NDArray[np.int64]
 Rows = npt.NDArray[np.uint8]
 HOST_CHUNK_BYTES = 256 << 20  # engine <-> G2 copies are cut here, to check the time in between
-GROUP_DEPTH = 3  # pieces of a layer-grouped load queued behind the one just issued
-
-
 class Pending(Protocol):
     """A copy a medium started; ``wait()`` returns once its bytes arrived."""
 
     def wait(self) -> None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class Grouping:
-    """Run a load in page groups: ``bounds`` are the groups' end pages (increasing, the last
-    one the region's pages per block); ``landed(end)`` is called on the lane thread once every
-    block's pages ``[0, end)`` are in the engine's memory."""
-
-    bounds: list[int]
-    landed: Callable[[int], object]
-    #: if given: (issue began, issued, landed) perf_counter times per piece, appended on the lane
-    pieces: list[tuple[float, float, float]] | None = None
 
 
 class Done:
@@ -96,9 +80,10 @@ class BlockMover:
     """
 
     def __init__(self, host: HostPool | None, disk: DiskPool | None, disk_io: TimedDiskIO | None, *,
-                 host_checksums: bool = False, bounce_slots: int = 64,
+                 host_checksums: bool = False, bounce_slots: int = 64, pacing: GroupPacing = GroupPacing(),
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.host, self.disk, self.disk_io = host, disk, disk_io
+        self.pacing = pacing
         self.clock = clock
         self.bounce: dict[Lane, BounceBuffer] = {}
         self.disk_sums = disk.sums if disk else None
@@ -132,11 +117,19 @@ class BlockMover:
         return DONE
 
     def _from_slots(self, region: EngineRegion, blocks: EngineBlocks, rows: Rows, picks: Ids,
-                    pages: tuple[int, int] | None = None) -> Pending:
+                    pages: tuple[int, int] | None = None, timed: bool = False) -> Pending:
         """Every layer's page (``pages``: those in ``[lo, hi)``) of engine block ``blocks[i]``
-        <- ``rows[picks[i]]``."""
+        <- ``rows[picks[i]]``. ``timed``: the copy will be asked :meth:`_gpu_ms`."""
         cpu.scatter(rows, picks, region, blocks, pages)
         return DONE
+
+    def _gpu_mark(self) -> object | None:
+        """A mark on the load stream's clock (None: this medium has none; the CPU copies)."""
+        return None
+
+    def _gpu_ms(self, mark: object, copy: Pending) -> float | None:
+        """Ms from ``mark`` to the end of ``copy`` (a timed one that completed) on the medium's clock."""
+        return None
 
     # ------------------------------------------------------------------ the template
     def run(self, batch: Batch, region: EngineRegion | None, until: float, grouping: Grouping | None = None) -> int:
@@ -195,10 +188,11 @@ class BlockMover:
                      until: float, grouping: Grouping | None = None) -> None:
         """Piece k+1 is issued while piece k is in flight (an asynchronous medium keeps its copy
         queue busy); the time is checked before each piece is issued. A piece is a chunk of
-        blocks, or with ``grouping`` one group's pages of a chunk (groups outermost)."""
+        blocks, or with ``grouping`` one group's pages of a chunk (groups outermost, cut and
+        queued as :attr:`pacing` says)."""
         host, sums = self._pool(), self.host_sums
         per = HOST_CHUNK_BYTES // region.block_bytes
-        pieces: list[tuple[int, int, tuple[int, int] | None, bool]]
+        pieces: list[tuple[int, int, tuple[int, int] | None, bool]]  # (see grouping.Piece)
         depth = 1  # pieces in flight behind the one just issued
         if grouping is None:
             pieces = [(lo, hi, None, False) for lo, hi in chunks(len(blocks), per)]
@@ -206,22 +200,24 @@ class BlockMover:
             if sums is not None:  # every source is checked before the first group lands
                 for lo, hi in chunks(len(blocks), per):
                     self._verify(sums, Tier.HOST, Slots(slots[lo:hi]), host.slots, Slots(slots[lo:hi]))
-            # NOTE: a piece spans HOST_CHUNK_BYTES of its group's pages and GROUP_DEPTH pieces stay
-            # queued, so DMA does not wait for the lane's Python (H100, 2026-11-25: no effect measured)
-            depth = GROUP_DEPTH
-            pieces = []
-            for first, end in zip([0, *grouping.bounds[:-1]], grouping.bounds):
-                spans = chunks(len(blocks), max(1, HOST_CHUNK_BYTES // ((end - first) * region.page_bytes)))
-                pieces += [(lo, hi, (first, end), i == len(spans) - 1) for i, (lo, hi) in enumerate(spans)]
+            pieces = list(group_pieces(len(blocks), grouping.bounds, region.page_bytes,
+                                           self.pacing.piece_bytes))
+            depth = self.pacing.ahead or len(pieces)
         issued: list[Pending] = []
         in_flight: deque[tuple[Pending, Slots, tuple[int, int] | None, bool, float, float]] = deque()
         times = grouping.pieces if grouping is not None else None
+        mark = self._gpu_mark() if times is not None else None
+        queued = 0  # bytes of the layer-grouped pieces in flight
 
         def settle(copy: Pending, to: Slots, pages: tuple[int, int] | None, group_done: bool, began: float,
                    sent: float) -> None:
+            nonlocal queued
             copy.wait()
+            if pages is not None:
+                queued -= len(to) * (pages[1] - pages[0]) * region.page_bytes
             if times is not None:
-                times.append((began, sent, time.perf_counter()))
+                landed = time.perf_counter()
+                times.append(PieceTimes(began, sent, landed, self._gpu_ms(mark, copy) if mark is not None else None))
             if sums is not None and kind is PlanKind.STORE:
                 sums.seal(to, host.slots, to)
             if group_done and grouping is not None and pages is not None:
@@ -229,7 +225,11 @@ class BlockMover:
 
         try:
             for lo, hi, pages, last in pieces:
-                self._check_time(until)
+                if pages is None:
+                    self._check_time(until)
+                else:
+                    queued += (hi - lo) * (pages[1] - pages[0]) * region.page_bytes
+                    self._check_time(until - queued / DMA_FLOOR_BPS)
                 began = time.perf_counter()
                 b, s = EngineBlocks(blocks[lo:hi]), Slots(slots[lo:hi])
                 if kind is PlanKind.STORE:
@@ -239,7 +239,7 @@ class BlockMover:
                 else:
                     if sums is not None and grouping is None:
                         self._verify(sums, Tier.HOST, s, host.slots, s)
-                    issued.append(self._from_slots(region, b, host.slots, s, pages))
+                    issued.append(self._from_slots(region, b, host.slots, s, pages, mark is not None))
                 in_flight.append((issued[-1], s, pages, last, began, time.perf_counter()))
                 # a synchronous medium's piece is there already; else keep ``depth`` queued
                 while in_flight and (len(in_flight) > depth or in_flight[-1][0] is DONE):

@@ -21,6 +21,7 @@ import numpy.typing as npt
 from kvbm_client.contract import pb
 
 from ..cuda_region import CudaEngineRegion, CudaError, check, cudart
+from ..grouping import GroupPacing
 from ..handlers.disk_guard import TimedDiskIO
 from ..id_arrays import EngineBlocks
 from ..lanes import Lane
@@ -76,9 +77,10 @@ class CudaMover(BlockMover):
     """
 
     def __init__(self, host: HostPool | None, disk: DiskPool | None, disk_io: TimedDiskIO | None, *,
-                 host_checksums: bool = False, device: int, mechanism: CopyMechanism = CopyMechanism.AUTO,
-                 progress: Callable[[float], None] | None = None, deadline: float | None = None) -> None:
-        super().__init__(host, disk, disk_io, host_checksums=host_checksums)
+                 host_checksums: bool = False, pacing: GroupPacing = GroupPacing(), device: int,
+                 mechanism: CopyMechanism = CopyMechanism.AUTO, progress: Callable[[float], None] | None = None,
+                 deadline: float | None = None) -> None:
+        super().__init__(host, disk, disk_io, host_checksums=host_checksums, pacing=pacing)
         self.device = device
         self.pinned = PinnedHost(device)
         try:
@@ -114,11 +116,20 @@ class CudaMover(BlockMover):
         return _Event(self.copier.copy(Direction.D2H, region, blocks, addrs, wait=False))
 
     def _from_slots(self, region: EngineRegion, blocks: EngineBlocks, rows: Rows, picks: Ids,
-                    pages: tuple[int, int] | None = None) -> Pending:
+                    pages: tuple[int, int] | None = None, timed: bool = False) -> Pending:
         if not isinstance(region, CudaEngineRegion):
             return super()._from_slots(region, blocks, rows, picks, pages)
         addrs = rows.ctypes.data + picks * rows.shape[1]
-        return _Event(self.copier.copy(Direction.H2D, region, blocks, addrs, wait=False, pages=pages))
+        return _Event(self.copier.copy(Direction.H2D, region, blocks, addrs, wait=False, pages=pages, timed=timed))
+
+    def _gpu_mark(self) -> object | None:
+        mark: object = self.copier.mark(Direction.H2D)
+        return mark
+
+    def _gpu_ms(self, mark: object, copy: Pending) -> float | None:
+        if not isinstance(copy, _Event):
+            return None  # a piece the CPU path copied
+        return float(mark.elapsed_time(copy.event))  # type: ignore[attr-defined]  # (a torch.cuda.Event)
 
     def close(self) -> None:
         copier = getattr(self, "copier", None)

@@ -58,11 +58,11 @@ class CopyMechanism(str, enum.Enum):
 MECHANISMS = tuple(m.value for m in CopyMechanism)
 
 
-def _event() -> Any:
-    """A new CUDA event (torch's constructor is untyped)."""
+def _event(timed: bool = False) -> Any:
+    """A new CUDA event (torch's constructor is untyped); ``timed``: usable in ``elapsed_time``."""
     import torch
     new: Any = torch.cuda.Event
-    return new()
+    return new(enable_timing=timed)
 
 
 class GatherViews:
@@ -149,11 +149,20 @@ class CudaCopier:
             del host, dev
 
     # ------------------------------------------------------------------ entry
+    def mark(self, direction: str) -> Any:
+        """A timing event recorded now on ``direction``'s stream (for ``copy(..., timed=True)``'s
+        ``elapsed_time``: the GPU's own account of when a copy landed)."""
+        event = _event(True)
+        event.record(self.streams[Direction(direction)])
+        return event
+
     def copy(self, direction: str, region: CudaEngineRegion, blocks: Sequence[int] | Addrs, host_addrs: Addrs,
-             wait: bool = True, mechanism: str | None = None, pages: tuple[int, int] | None = None) -> Any:
+             wait: bool = True, mechanism: str | None = None, pages: tuple[int, int] | None = None,
+             timed: bool = False) -> Any:
         """``direction`` D2H: every layer's page of ``blocks[i]`` -> ``host_addrs[i]`` (slot layout,
         layer by layer); H2D: the reverse. ``pages``: only the pages ``[lo, hi)`` of each block
-        (direct DMA: a gather falls back to it). Returns the CUDA event of completion."""
+        (direct DMA: a gather falls back to it). Returns the CUDA event of completion (``timed``:
+        a timing one, see :meth:`mark`)."""
         import torch
         direction = Direction(direction)
         ids = EngineBlocks(np.asarray(blocks, dtype=np.int64))
@@ -169,7 +178,7 @@ class CudaCopier:
             else:
                 src, dst = self._pages(direction, region, ids, host_addrs, pages)
                 self._dma(src, dst, region.page_bytes, direction is Direction.H2D, mech, stream)
-            event = _event()
+            event = _event(timed)
             event.record(stream)
         if wait:
             event.synchronize()

@@ -6,7 +6,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from kvbm_worker.jobs import Job, JobKey, JobTable
+from kvbm_worker.jobs import Job, JobKey, JobTable, PieceTimes
 
 
 @pytest.fixture
@@ -99,10 +99,12 @@ def test_landed_keeps_each_groups_lane_and_loop_times_and_the_piece_times_for_th
         assert len(landed.lane_ms) == len(landed.loop_ms) == 2
         assert abs(landed.lane_ms[0] - 10.0) < 1e-6
         assert all(lane <= loop for lane, loop in zip(landed.lane_ms[1:], landed.loop_ms[1:]))
-        landed.pieces.append((landed.t0 + 0.001, landed.t0 + 0.002, landed.t0 + 0.010))  # as the lane appends
+        landed.pieces.append(PieceTimes(landed.t0 + 0.001, landed.t0 + 0.002, landed.t0 + 0.010))  # as the lane appends
         line = landed.describe()
         assert "on the lane at [10.0," in line and "on the loop at" in line
-        assert "landed) at [(1.0, 2.0, 10.0)] ms" in line
+        assert "landed) at [(1.0, 2.0, 10.0)] ms" in line and "GPU's clock" not in line
+        landed.pieces[0] = PieceTimes(landed.t0 + 0.001, landed.t0 + 0.002, landed.t0 + 0.010, gpu_ms=7.5)
+        assert "by the GPU's clock landed at [8.5] ms" in landed.describe(), "the mark was taken at 1.0 ms"
         landed.advance(8)  # an advance without a lane time (a caller's own) records none
         assert len(landed.lane_ms) == 2
     asyncio.run(main())

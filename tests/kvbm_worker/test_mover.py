@@ -15,6 +15,7 @@ from kvbm_worker.errors import CopyExpired, SlotsFailed
 from kvbm_worker.handlers.disk import PosixDiskIO
 from kvbm_worker.handlers.disk_guard import TimedDiskIO
 from kvbm_worker.jobs import JobKey
+from kvbm_worker.grouping import DMA_FLOOR_BPS, GroupPacing, Grouping, group_pieces
 from kvbm_worker.mover import BlockMover
 from kvbm_worker.plan_check import Batch
 from kvbm_worker.pools import DiskPool, HostPool, SlotGeometry
@@ -176,14 +177,14 @@ def test_an_engine_block_outside_the_region_is_refused_before_copying(rig):
         r.run(PlanKind.LOAD, tier=Tier.HOST, slots=[0], blocks=[-1])
 
 
-def test_a_layer_grouped_load_lands_group_by_group_and_times_every_piece(rig, monkeypatch):
-    monkeypatch.setattr(mover_module, "HOST_CHUNK_BYTES", 2 * PAGE)  # two blocks' pages of a group per piece
+def test_a_layer_grouped_load_lands_group_by_group_and_times_every_piece(rig):
     r = rig()
+    r.mover.pacing = GroupPacing(piece_bytes=2 * PAGE)  # two blocks' pages of a group per piece
     r.run(PlanKind.STORE, Tier.HOST, slots=[0, 1, 2, 3], blocks=[4, 5, 6, 7])
     before = [r.page(b) for b in (4, 5, 6, 7)]
     r.engine.array[[10, 11, 12, 13]] = 0
     landed: list[int] = []
-    pieces: list[tuple[float, float, float]] = []
+    pieces: list[mover_module.PieceTimes] = []
     ids = lambda v: np.asarray(v, np.int64)  # noqa: E731
     batch = Batch(PlanKind.LOAD, JobKey("L", 1, JobId(2)), FAR, ids([Tier.HOST] * 4), ids([0, 1, 2, 3]),
                   ids([10, 11, 12, 13]))
@@ -191,4 +192,73 @@ def test_a_layer_grouped_load_lands_group_by_group_and_times_every_piece(rig, mo
     assert landed == [1, 3], "each group's end page, in order"
     assert [r.page(b).tobytes() for b in (10, 11, 12, 13)] == [p.tobytes() for p in before]
     # group 1 (1 page): 4 blocks x 1 page at 2 pages a piece -> 2 pieces; group 2 (2 pages): 4 pieces
-    assert len(pieces) == 6 and all(began <= sent <= done for began, sent, done in pieces)
+    assert len(pieces) == 6 and all(p.began <= p.issued <= p.landed and p.gpu_ms is None for p in pieces)
+
+
+# ---------------------------------------------------------------------- layer groups: cutting and pacing
+class Deferred(BlockMover):
+    """The CPU medium with an asynchronous face: a load's copy happens at issue, but it counts as
+    landed only when waited for; ``log`` records the order of issues and waits."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.log: list[str] = []
+
+    def _from_slots(self, region, blocks, rows, picks, pages=None, timed=False):
+        super()._from_slots(region, blocks, rows, picks, pages)
+        n = sum(e == "issue" for e in self.log)
+        self.log.append("issue")
+        log = self.log
+
+        class Copy:
+            def wait(self) -> None:
+                log.append(f"wait {n}")
+        return Copy()
+
+
+def grouped_load(r: Rig, pacing: GroupPacing, until: float = FAR, clock=None) -> tuple[Deferred, list[int]]:
+    """A 4-block load from G2 in groups [1, 3] on a :class:`Deferred` mover with ``pacing``."""
+    r.run(PlanKind.STORE, Tier.HOST, slots=[0, 1, 2, 3], blocks=[4, 5, 6, 7])
+    mover = Deferred(r.host, None, None, pacing=pacing, **({"clock": clock} if clock else {}))
+    ids = lambda v: np.asarray(v, np.int64)  # noqa: E731
+    batch = Batch(PlanKind.LOAD, JobKey("L", 1, JobId(3)), FAR, ids([Tier.HOST] * 4), ids([0, 1, 2, 3]),
+                  ids([10, 11, 12, 13]))
+    landed: list[int] = []
+    try:
+        mover.run(batch, r.region, until, Grouping([1, 3], landed.append))
+    finally:
+        mover.close()
+    return mover, landed
+
+
+def test_group_pieces_keep_groups_outermost_and_pieces_within_their_size():
+    # 4 blocks, groups of 1 and 2 pages of 1000 bytes, pieces of at most 2000 bytes
+    assert group_pieces(4, [1, 3], 1000, 2000) == [
+        (0, 2, (0, 1), False), (2, 4, (0, 1), True),  # group 1: 2 blocks' page per piece
+        (0, 1, (1, 3), False), (1, 2, (1, 3), False), (2, 3, (1, 3), False), (3, 4, (1, 3), True)]
+    assert group_pieces(4, [1, 3], 1000, 1) == [(b, b + 1, g, b == 3) for g in ((0, 1), (1, 3)) for b in range(4)], \
+        "never less than one block a piece"
+    with pytest.raises(ValueError):
+        GroupPacing(piece_bytes=0)
+    with pytest.raises(ValueError):
+        GroupPacing(ahead=-1)
+
+
+@pytest.mark.parametrize("ahead, first_wait_after", [(1, 2), (3, 4), (0, 6)])
+def test_a_grouped_load_queues_as_many_pieces_ahead_as_its_pacing_says(rig, ahead, first_wait_after):
+    r = rig()
+    before = [r.page(b).tobytes() for b in (4, 5, 6, 7)]
+    mover, landed = grouped_load(r, GroupPacing(piece_bytes=2 * PAGE, ahead=ahead))
+    assert mover.log.index("wait 0") == first_wait_after, mover.log  # 6 pieces (see above); 0: all issued first
+    assert mover.log.count("issue") == 6 and landed == [1, 3]
+    assert [r.page(b).tobytes() for b in (10, 11, 12, 13)] == before
+
+
+def test_pieces_queued_ahead_must_land_before_the_deadline_at_the_floor_pace(rig):
+    r = rig()
+    piece = 2 * PAGE  # the first piece's bytes; with ahead 0 nothing settles before the next issue
+    until = 1.5 * piece / DMA_FLOOR_BPS  # the clock reads 0: room for one piece at the floor pace, not two
+    with pytest.raises(CopyExpired):
+        grouped_load(r, GroupPacing(piece_bytes=piece, ahead=0), until=until, clock=lambda: 0.0)
+    mover, landed = grouped_load(r, GroupPacing(piece_bytes=piece, ahead=0), until=10 * until, clock=lambda: 0.0)
+    assert landed == [1, 3], "six pieces of 2000 bytes fit in 10 x the room of 1.5 pieces"

@@ -5,6 +5,7 @@ import pytest
 
 from kvbm_client.errors import KvbmConfigError
 from kvbm_worker.daemon import build_parser, data_path
+from kvbm_worker.grouping import GroupPacing
 from kvbm_worker.handlers.cuda_copier import CopyMechanism
 
 
@@ -26,3 +27,13 @@ def test_the_data_path_of_the_arguments():
 def test_the_cuda_copy_help_names_the_rule_auto_follows():
     text = " ".join(build_parser().format_help().split())
     assert "cudaMemcpyBatchAsync" in text and "256 KiB" in text
+
+
+def test_the_pacing_of_layer_grouped_loads_comes_from_the_arguments():
+    path = data_path(build_parser().parse_args(["--cpu"]))
+    assert path.pacing == GroupPacing(), "defaults: 256 MiB pieces, 3 queued ahead"
+    path = data_path(build_parser().parse_args(["--gpu", "0", "--load-piece-mb", "512", "--load-ahead", "0"]))
+    assert path.pacing == GroupPacing(piece_bytes=512 << 20, ahead=0)
+    for bad in (["--load-ahead", "-1"], ["--load-piece-mb", "0"], ["--switch-interval-ms", "0"]):
+        with pytest.raises(KvbmConfigError):
+            data_path(build_parser().parse_args(bad))
