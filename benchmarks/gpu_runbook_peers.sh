@@ -9,7 +9,7 @@
 #   gap       the daemon's G2 -> G1 lane code outside the daemon, back to back and 0.5 s apart
 #             (is the GPU idle between requests what slows a load inside the daemon?)
 #   h2d       the floor's memcpy on this machine (h2d_ceiling.py)
-#   eager20   20K, eager: LMCache, kvbm layerwise with and without early loads; 2 alternating passes
+#   eager20   20K, eager: LMCache, kvbm layerwise, kvbm with its defaults (auto: async); 2 alternating passes
 #   graphs20  20K, CUDA graphs: LMCache, kvbm layerwise; 2 passes
 #   stress    no wrong KV: tests/stress under async scheduling (early loads on, vLLM 0.26 defers
 #             block frees), layerwise loads, preemptions, outputs compared with vLLM alone
@@ -30,7 +30,7 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
     copy) python3 benchmarks/g2_copy_path.py --json "$R/g2_copy_path.json" >"$R/copy.log" 2>&1 ;;
     h2d) python3 benchmarks/h2d_ceiling.py --json "$R/h2d_ceiling.json" >"$R/h2d.log" 2>&1 ;;
     eager20) KVBM_CONNECTOR_TRACE=$R/t20k_eager.jsonl $T "$R/ttft20k_eager.jsonl" \
-               lmcache,ours_layerwise,ours_layerwise_noearly $A20 $H --timeout 300 --passes 2 >"$R/eager20.log" 2>&1 ;;
+               lmcache,ours_layerwise,ours $A20 $H --timeout 300 --passes 2 >"$R/eager20.log" 2>&1 ;;
     graphs20) KVBM_CONNECTOR_TRACE=$R/t20k_graphs.jsonl $T "$R/ttft20k_graphs.jsonl" lmcache,ours_layerwise \
                $A20 $H --timeout 600 --passes 2 --cuda-graphs >"$R/graphs20.log" 2>&1 ;;
     stress) python3 -m tests.stress.run --users 12 --turns 3 --gpu 0 --async-scheduling on --block-size 16 \

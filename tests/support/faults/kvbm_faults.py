@@ -136,7 +136,8 @@ def _patch_mover(module: ModuleType) -> None:
     if corrupt or fail:
         from_slots = mover._from_slots
 
-        def faulty_from_slots(self: Any, region: Any, blocks: Any, rows: Any, picks: Any, pages: Any = None) -> Any:
+        def faulty_from_slots(self: Any, region: Any, blocks: Any, rows: Any, picks: Any, pages: Any = None,
+                              timed: bool = False) -> Any:
             done = from_slots(self, region, blocks, rows, picks, pages)
             done.wait()
             for view in region.layer_views:  # CPU regions only (a CUDA region has none)
@@ -179,14 +180,15 @@ def _delay_groups(cls: Any, seconds: float, bytes_late: bool) -> None:
             time.sleep(seconds)
             self.inner.wait()
 
-    def late_groups(self: Any, region: Any, blocks: Any, rows: Any, picks: Any, pages: Any = None) -> Any:
+    def late_groups(self: Any, region: Any, blocks: Any, rows: Any, picks: Any, pages: Any = None,
+                    timed: bool = False) -> Any:
         if pages is None or pages[0] == 0:
-            return original(self, region, blocks, rows, picks, pages)
+            return original(self, region, blocks, rows, picks, pages, timed)
         note(f"group delay: pages [{pages[0]}, {pages[1]}) of {len(blocks)} blocks {seconds:g}s late")
         if bytes_late:
             time.sleep(seconds)
-            return original(self, region, blocks, rows, picks, pages)
-        return Late(original(self, region, blocks, rows, picks, pages))
+            return original(self, region, blocks, rows, picks, pages, timed)
+        return Late(original(self, region, blocks, rows, picks, pages, timed))
 
     cls._from_slots = late_groups
 
