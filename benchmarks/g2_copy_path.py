@@ -48,7 +48,7 @@ from kvbm_client.ids import PlanKind
 from kvbm_worker.cuda_region import CudaEngineRegion, check, cudart
 from kvbm_worker.handlers.cuda import CudaMover
 from kvbm_worker.id_arrays import EngineBlocks, Slots
-from kvbm_worker.jobs import group_bounds
+from kvbm_worker.grouping import group_bounds
 from kvbm_worker.mover import Grouping
 from kvbm_worker.pools import HostPool, SlotGeometry
 

@@ -10,6 +10,9 @@
 #             (is the GPU idle between requests what slows a load inside the daemon?)
 #   h2d       the floor's memcpy on this machine (h2d_ceiling.py)
 #   eager20   20K, eager: LMCache, kvbm layerwise, kvbm with its defaults (auto: async); 2 alternating passes
+#   shapes20  20K, eager, 2 passes, each: LMCache and kvbm layerwise (the worker's default, front-loaded
+#             layer groups) in one harness run, then kvbm layerwise with --load-group-shape even in
+#             another (a worker flag: its own service); results ttft20k_shape_{front,even}_pP.jsonl
 #   graphs20  20K, CUDA graphs: LMCache, kvbm layerwise; 2 passes
 #   stress    no wrong KV: tests/stress under async scheduling (early loads on, vLLM 0.26 defers
 #             block frees), layerwise loads, preemptions, outputs compared with vLLM alone
@@ -31,6 +34,12 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
     h2d) python3 benchmarks/h2d_ceiling.py --json "$R/h2d_ceiling.json" >"$R/h2d.log" 2>&1 ;;
     eager20) KVBM_CONNECTOR_TRACE=$R/t20k_eager.jsonl $T "$R/ttft20k_eager.jsonl" \
                lmcache,ours_layerwise,ours $A20 $H --timeout 300 --passes 2 >"$R/eager20.log" 2>&1 ;;
+    shapes20) for p in 1 2; do
+               KVBM_CONNECTOR_TRACE=$R/t20k_shape_front_p$p.jsonl $T "$R/ttft20k_shape_front_p$p.jsonl" \
+                 lmcache,ours_layerwise $A20 $H --timeout 300 >>"$R/shapes20.log" 2>&1
+               KVBM_WORKER_ARGS="--load-group-shape even" KVBM_CONNECTOR_TRACE=$R/t20k_shape_even_p$p.jsonl \
+                 $T "$R/ttft20k_shape_even_p$p.jsonl" ours_layerwise $A20 $H --timeout 300 >>"$R/shapes20.log" 2>&1
+             done ;;
     graphs20) KVBM_CONNECTOR_TRACE=$R/t20k_graphs.jsonl $T "$R/ttft20k_graphs.jsonl" lmcache,ours_layerwise \
                $A20 $H --timeout 600 --passes 2 --cuda-graphs >"$R/graphs20.log" 2>&1 ;;
     stress) python3 -m tests.stress.run --users 12 --turns 3 --gpu 0 --async-scheduling on --block-size 16 \

@@ -34,7 +34,7 @@ from kvbm_client.serving import make_server, start_server
 
 from .allocation import DataPath
 from .cluster import WorkerCluster
-from .grouping import GROUP_DEPTH, PIECE_BYTES, GroupPacing
+from .grouping import GROUP_DEPTH, PIECE_BYTES, GroupPacing, GroupShape
 from .handlers.cuda_copier import CopyMechanism
 from .leader_link import LeaderLink
 from .service import WorkerService
@@ -170,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "runtime has it (>= 12.8); else one DMA per contiguous run when runs average >= 256 KiB, "
                              "else a GPU gather into staging + DMA]")
     parser.add_argument("--no-nixl", action="store_true", help="use preadv/pwritev for disk I/O instead of NIXL")
+    parser.add_argument("--load-group-shape", default=GroupShape.FRONT.value, choices=[s.value for s in GroupShape],
+                        help="how a layer-grouped load's pages are split into the groups the engine asks for: front "
+                             "(shrinking groups, the last about a layer: after it lands the engine has only that "
+                             "layer left to run) or even (equal groups) [default front]")
     parser.add_argument("--load-piece-mb", type=float, default=PIECE_BYTES / (1 << 20), metavar="MIB",
                         help="a layer-grouped load (the connector's layerwise mode) is copied in pieces of at most "
                              "this many MiB of one layer group's pages; the engine hears of a group once its last "
@@ -194,7 +198,7 @@ def data_path(args: argparse.Namespace) -> DataPath:
         raise KvbmConfigError(f"--load-piece-mb must be in (0, {1 << 20}] and --load-ahead >= 0")
     if args.switch_interval_ms is not None and not 0 < args.switch_interval_ms <= 1000:
         raise KvbmConfigError("--switch-interval-ms must be in (0, 1000]")
-    pacing = GroupPacing(int(args.load_piece_mb * (1 << 20)), args.load_ahead)
+    pacing = GroupPacing(int(args.load_piece_mb * (1 << 20)), args.load_ahead, GroupShape(args.load_group_shape))
     return DataPath(gpu=args.gpu, cuda_copy=mechanism, prefer_nixl=not args.no_nixl, pacing=pacing)
 
 

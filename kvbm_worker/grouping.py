@@ -1,24 +1,32 @@
-"""Layer groups of a load: how a layer-grouped load (``TransferLayers``) is cut into pieces and
-how far the lane queues them ahead of the one it waits for.
+"""Layer groups of a load: where a layer-grouped load (``TransferLayers``) is split into groups
+of pages, how each group is cut into pieces, and how far the lane queues them ahead of the one
+it waits for.
 
-Runs in the worker daemon, on a lane thread (:class:`~.mover.BlockMover` executes the pieces).
-Pure arithmetic and configuration.
+Runs in the worker daemon (the job runner takes the bounds, a lane thread runs the pieces:
+:class:`~.mover.BlockMover`). Pure arithmetic and configuration.
 
 Invariants: groups are outermost (every block's pages of group g are issued before any of
-group g + 1), a piece holds one group's pages of consecutive blocks, and a piece is queued
-only if every byte queued up to it would land before the job's time limit at
+group g + 1), none is empty, a piece holds one group's pages of consecutive blocks, and a
+piece is queued only if every byte queued up to it would land before the job's time limit at
 :data:`DMA_FLOOR_BPS` (so queuing ahead never lets a copy touch the engine's memory after its
 deadline, which the connector relies on).
+
+Why the groups shrink and the first pieces grow (H100, 2026-11-26, ``results/*_2026-11-26*``):
+the copy itself runs at the DMA's pace, but after the last group landed the engine still has
+to launch that group's layers (in eager mode ~1 ms of CPU per layer); and the first byte moves
+only once the first piece is issued (~5 us of driver time per copy beside vLLM). So the last
+group is one layer and the first pieces are small.
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Callable
 
 from .jobs import PieceTimes
-from .runs import chunks
 
 PIECE_BYTES = 256 << 20  # default: a piece spans at most this much of one group's pages
+RAMP = 3  # the first piece of a load is PIECE_BYTES >> RAMP, the next ones double up to PIECE_BYTES
 GROUP_DEPTH = 3  # default: pieces queued behind the one the lane waits for
 DMA_FLOOR_BPS = 1e9  # a pace far below any PCIe link's
 
@@ -26,17 +34,32 @@ DMA_FLOOR_BPS = 1e9  # a pace far below any PCIe link's
 Piece = tuple[int, int, tuple[int, int], bool]
 
 
+class GroupShape(str, enum.Enum):
+    """``kvbm-worker --load-group-shape``."""
+
+    FRONT = "front"  # shrinking groups, the last about P / groups**2 pages (:func:`group_bounds`)
+    EVEN = "even"  # equal groups (as before 2026-11-26)
+
+
 @dataclass(frozen=True, slots=True)
 class GroupPacing:
-    """``kvbm-worker --load-piece-mb / --load-ahead``: pieces of at most ``piece_bytes`` of one
-    group's pages; ``ahead`` pieces stay queued behind the one the lane waits for (0: all)."""
+    """``kvbm-worker --load-group-shape / --load-piece-mb / --load-ahead``: groups shaped by
+    ``shape``; pieces of at most ``piece_bytes`` of one group's pages; ``ahead`` pieces stay
+    queued behind the one the lane waits for (0: all)."""
 
     piece_bytes: int = PIECE_BYTES
     ahead: int = GROUP_DEPTH
+    shape: GroupShape = GroupShape.FRONT
 
     def __post_init__(self) -> None:
         if self.piece_bytes <= 0 or self.ahead < 0:
             raise ValueError(f"piece_bytes must be > 0 and ahead >= 0, not {self.piece_bytes} and {self.ahead}")
+
+    def bounds(self, pages_per_block: int, groups: int) -> list[int]:
+        """The end page of each group of a load in ``groups`` groups."""
+        if self.shape is GroupShape.EVEN:
+            return even_bounds(pages_per_block, groups)
+        return group_bounds(pages_per_block, groups)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,10 +75,38 @@ class Grouping:
     pieces: list[PieceTimes] | None = None
 
 
+def group_bounds(pages_per_block: int, groups: int) -> list[int]:
+    """The end page of each of ``groups`` layer groups, front-loaded: after group ``g``, about
+    ``P * ((groups - 1 - g) / groups) ** 2`` of the ``P`` pages are left, so the groups shrink
+    and the last is about ``P / groups**2`` pages (36 pages in 6 groups: 11, 9, 7, 5, 3, 1).
+    None is empty; more groups than pages: a page each."""
+    groups = max(1, min(groups, pages_per_block))
+    ends: list[int] = []
+    for g in range(groups):
+        later = groups - 1 - g
+        end = pages_per_block - pages_per_block * later * later // (groups * groups)
+        ends.append(min(max(end, (ends[-1] if ends else 0) + 1), pages_per_block - later))
+    return ends
+
+
+def even_bounds(pages_per_block: int, groups: int) -> list[int]:
+    """Equal groups: group ``g`` is pages ``[g * P // groups, (g + 1) * P // groups)``."""
+    groups = max(1, min(groups, pages_per_block))
+    return [(g + 1) * pages_per_block // groups for g in range(groups)]
+
+
 def group_pieces(num_blocks: int, bounds: list[int], page_bytes: int, piece_bytes: int) -> list[Piece]:
-    """The pieces of a load of ``num_blocks`` blocks in the groups ending at ``bounds``, in issue order."""
+    """The pieces of a load of ``num_blocks`` blocks in the groups ending at ``bounds``, in issue
+    order. A piece holds at most ``piece_bytes`` (at least one block's pages of its group); the
+    first ones start at ``piece_bytes >> RAMP`` and double, so the DMA starts after a short issue
+    and each next piece is issued while the one before is copied."""
     pieces: list[Piece] = []
+    cap = max(1, piece_bytes >> RAMP)
     for first, end in zip([0, *bounds[:-1]], bounds):
-        spans = chunks(num_blocks, max(1, piece_bytes // ((end - first) * page_bytes)))
-        pieces += [(lo, hi, (first, end), i == len(spans) - 1) for i, (lo, hi) in enumerate(spans)]
+        unit = (end - first) * page_bytes  # one block's pages of this group
+        lo = 0
+        while lo < num_blocks:
+            hi = min(num_blocks, lo + max(1, cap // unit))
+            pieces.append((lo, hi, (first, end), hi == num_blocks))
+            lo, cap = hi, min(piece_bytes, cap * 2)
     return pieces

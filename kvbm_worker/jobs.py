@@ -45,13 +45,6 @@ class Moved:
     seconds: float
 
 
-def group_bounds(pages_per_block: int, groups: int) -> list[int]:
-    """The end page of each of ``groups`` layer groups: group ``g`` is pages
-    ``[g * P // groups, (g + 1) * P // groups)`` (none empty while ``groups <= P``)."""
-    groups = max(1, min(groups, pages_per_block))
-    return [(g + 1) * pages_per_block // groups for g in range(groups)]
-
-
 @dataclass(frozen=True, slots=True)
 class PieceTimes:
     """One piece of a layer-grouped load, for the job's debug line: perf_counter times on the

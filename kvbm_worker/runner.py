@@ -44,7 +44,7 @@ from kvbm_client.security import NodeKey, sign_ack
 from .allocation import PoolAllocator
 from .errors import CopyExpired, CopyFailed, JobFailed, PlanRejected, Refusal, SlotsFailed
 from .handlers.disk_guard import DiskHung
-from .jobs import Job, JobTable, Landed, Moved, group_bounds
+from .jobs import Job, JobTable, Landed, Moved
 from .lanes import LaneFull, Lanes, LateStart, Ticket
 from .leader_gate import JobReport, LeaderGate
 from .mover import BlockMover, Grouping
@@ -269,14 +269,14 @@ class JobRunner:
             raise JobFailed(Code.FAILED_PRECONDITION, f"job {batch.job_id}: its leader {batch.job.leader_id} has "
                                                       "been replaced; nothing moved")
 
-    @staticmethod
-    def _landed_from_lane(landed: Landed | None) -> Grouping | None:
-        """What the mover needs to run a load in ``landed``'s groups, reporting each group's
-        pages to the event loop (the lane thread only appends to ``landed.pieces``)."""
+    def _landed_from_lane(self, landed: Landed | None) -> Grouping | None:
+        """What the mover needs to run a load in ``landed``'s groups (their bounds as the data
+        path's pacing shapes them), reporting each group's pages to the event loop (the lane
+        thread only appends to ``landed.pieces``)."""
         if landed is None:
             return None
         loop = asyncio.get_running_loop()
-        return Grouping(group_bounds(landed.pages_per_block, landed.groups),
+        return Grouping(self.pools.path.pacing.bounds(landed.pages_per_block, landed.groups),
                         lambda pages: loop.call_soon_threadsafe(landed.advance, pages, time.perf_counter()),
                         landed.pieces)
 

@@ -59,14 +59,6 @@ def test_the_oldest_done_jobs_go_first_beyond_the_limit(loop):
     assert kept == [1, 4, 5]
 
 
-def test_group_bounds_cover_every_page_without_an_empty_group():
-    from kvbm_worker.jobs import group_bounds
-    assert group_bounds(72, 6) == [12, 24, 36, 48, 60, 72]
-    assert group_bounds(4, 3) == [1, 2, 4]
-    assert group_bounds(4, 9) == [1, 2, 3, 4], "more groups than pages: a page each"
-    assert group_bounds(8, 1) == [8]
-
-
 def test_landed_only_grows_and_wakes_its_waiters():
     import asyncio
 

@@ -15,7 +15,7 @@ from kvbm_worker.errors import CopyExpired, SlotsFailed
 from kvbm_worker.handlers.disk import PosixDiskIO
 from kvbm_worker.handlers.disk_guard import TimedDiskIO
 from kvbm_worker.jobs import JobKey
-from kvbm_worker.grouping import DMA_FLOOR_BPS, GroupPacing, Grouping, group_pieces
+from kvbm_worker.grouping import DMA_FLOOR_BPS, RAMP, GroupPacing, Grouping, group_bounds, group_pieces
 from kvbm_worker.mover import BlockMover
 from kvbm_worker.plan_check import Batch
 from kvbm_worker.pools import DiskPool, HostPool, SlotGeometry
@@ -191,8 +191,8 @@ def test_a_layer_grouped_load_lands_group_by_group_and_times_every_piece(rig):
     r.mover.run(batch, r.region, FAR, mover_module.Grouping([1, 3], landed.append, pieces))
     assert landed == [1, 3], "each group's end page, in order"
     assert [r.page(b).tobytes() for b in (10, 11, 12, 13)] == [p.tobytes() for p in before]
-    # group 1 (1 page): 4 blocks x 1 page at 2 pages a piece -> 2 pieces; group 2 (2 pages): 4 pieces
-    assert len(pieces) == 6 and all(p.began <= p.issued <= p.landed and p.gpu_ms is None for p in pieces)
+    assert len(pieces) == len(group_pieces(4, [1, 3], PAGE, 2 * PAGE))
+    assert all(p.began <= p.issued <= p.landed and p.gpu_ms is None for p in pieces)
 
 
 # ---------------------------------------------------------------------- layer groups: cutting and pacing
@@ -231,34 +231,53 @@ def grouped_load(r: Rig, pacing: GroupPacing, until: float = FAR, clock=None) ->
     return mover, landed
 
 
-def test_group_pieces_keep_groups_outermost_and_pieces_within_their_size():
-    # 4 blocks, groups of 1 and 2 pages of 1000 bytes, pieces of at most 2000 bytes
-    assert group_pieces(4, [1, 3], 1000, 2000) == [
-        (0, 2, (0, 1), False), (2, 4, (0, 1), True),  # group 1: 2 blocks' page per piece
-        (0, 1, (1, 3), False), (1, 2, (1, 3), False), (2, 3, (1, 3), False), (3, 4, (1, 3), True)]
-    assert group_pieces(4, [1, 3], 1000, 1) == [(b, b + 1, g, b == 3) for g in ((0, 1), (1, 3)) for b in range(4)], \
-        "never less than one block a piece"
+def test_group_bounds_shrink_towards_the_last_layer_and_leave_no_group_empty():
+    assert group_bounds(36, 6) == [11, 20, 27, 32, 35, 36], "11, 9, 7, 5, 3 and 1 pages"
+    assert group_bounds(72, 6) == [22, 40, 54, 64, 70, 72]
+    assert group_bounds(4, 3) == [2, 3, 4]
+    assert group_bounds(4, 9) == [1, 2, 3, 4], "more groups than pages: a page each"
+    assert group_bounds(8, 1) == [8]
+    for pages in range(1, 80):
+        for groups in range(1, 70):
+            ends = group_bounds(pages, groups)
+            sizes = [b - a for a, b in zip([0, *ends[:-1]], ends)]
+            assert ends[-1] == pages and len(ends) == min(groups, pages) and min(sizes) >= 1
+
+
+def test_group_pieces_keep_groups_outermost_and_ramp_up_to_their_size():
+    # 4 blocks in groups of 1 and 2 pages of 1000 bytes, pieces up to 16000 bytes: the first
+    # piece is 16000 >> RAMP = 2000 bytes (2 blocks of group 1), then 4000, then 8000 ...
+    assert RAMP == 3
+    assert group_pieces(4, [1, 3], 1000, 16000) == [(0, 2, (0, 1), False), (2, 4, (0, 1), True),
+                                                    (0, 4, (1, 3), True)]
+    # pieces of at most 2000 bytes (the ramp starts below one block: one block a piece)
+    assert group_pieces(4, [1, 3], 1000, 2000) == [(b, b + 1, g, b == 3) for g in ((0, 1), (1, 3)) for b in range(4)]
+    assert group_pieces(4, [1, 3], 1000, 1) == group_pieces(4, [1, 3], 1000, 2000), "never less than a block"
+    full = group_pieces(1258, group_bounds(36, 6), 65536, 256 << 20)  # the H100 runs' 20K-token load
+    sizes = [(hi - lo) * (g[1] - g[0]) * 65536 for lo, hi, g, _ in full]
+    assert sizes[0] <= 32 << 20 < sizes[2] and max(sizes) <= 256 << 20
+    assert [(lo, hi) for lo, hi, _, last in full if last] == [(lo, 1258) for lo, hi, _, last in full if last]
     with pytest.raises(ValueError):
         GroupPacing(piece_bytes=0)
     with pytest.raises(ValueError):
         GroupPacing(ahead=-1)
 
 
-@pytest.mark.parametrize("ahead, first_wait_after", [(1, 2), (3, 4), (0, 6)])
+@pytest.mark.parametrize("ahead, first_wait_after", [(1, 2), (3, 4), (0, 8)])
 def test_a_grouped_load_queues_as_many_pieces_ahead_as_its_pacing_says(rig, ahead, first_wait_after):
     r = rig()
     before = [r.page(b).tobytes() for b in (4, 5, 6, 7)]
     mover, landed = grouped_load(r, GroupPacing(piece_bytes=2 * PAGE, ahead=ahead))
-    assert mover.log.index("wait 0") == first_wait_after, mover.log  # 6 pieces (see above); 0: all issued first
-    assert mover.log.count("issue") == 6 and landed == [1, 3]
+    assert mover.log.index("wait 0") == first_wait_after, mover.log  # 8 pieces (see above); 0: all issued first
+    assert mover.log.count("issue") == 8 and landed == [1, 3]
     assert [r.page(b).tobytes() for b in (10, 11, 12, 13)] == before
 
 
 def test_pieces_queued_ahead_must_land_before_the_deadline_at_the_floor_pace(rig):
     r = rig()
-    piece = 2 * PAGE  # the first piece's bytes; with ahead 0 nothing settles before the next issue
-    until = 1.5 * piece / DMA_FLOOR_BPS  # the clock reads 0: room for one piece at the floor pace, not two
+    piece = 2 * PAGE  # pieces of one block: 1000 bytes in group 1; with ahead 0 nothing settles in between
+    until = 3 * PAGE / DMA_FLOOR_BPS  # the clock reads 0: room for two of them at the floor pace, not three
     with pytest.raises(CopyExpired):
         grouped_load(r, GroupPacing(piece_bytes=piece, ahead=0), until=until, clock=lambda: 0.0)
     mover, landed = grouped_load(r, GroupPacing(piece_bytes=piece, ahead=0), until=10 * until, clock=lambda: 0.0)
-    assert landed == [1, 3], "six pieces of 2000 bytes fit in 10 x the room of 1.5 pieces"
+    assert landed == [1, 3], "the whole load (12000 bytes) fits in 10 x that room"

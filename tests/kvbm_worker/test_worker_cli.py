@@ -5,7 +5,7 @@ import pytest
 
 from kvbm_client.errors import KvbmConfigError
 from kvbm_worker.daemon import build_parser, data_path
-from kvbm_worker.grouping import GroupPacing
+from kvbm_worker.grouping import GroupPacing, GroupShape
 from kvbm_worker.handlers.cuda_copier import CopyMechanism
 
 
@@ -31,9 +31,12 @@ def test_the_cuda_copy_help_names_the_rule_auto_follows():
 
 def test_the_pacing_of_layer_grouped_loads_comes_from_the_arguments():
     path = data_path(build_parser().parse_args(["--cpu"]))
-    assert path.pacing == GroupPacing(), "defaults: 256 MiB pieces, 3 queued ahead"
-    path = data_path(build_parser().parse_args(["--gpu", "0", "--load-piece-mb", "512", "--load-ahead", "0"]))
-    assert path.pacing == GroupPacing(piece_bytes=512 << 20, ahead=0)
+    assert path.pacing == GroupPacing(), "defaults: front-loaded groups, 256 MiB pieces, 3 queued ahead"
+    assert path.pacing.bounds(36, 6) == [11, 20, 27, 32, 35, 36]
+    path = data_path(build_parser().parse_args(["--gpu", "0", "--load-piece-mb", "512", "--load-ahead", "0",
+                                                "--load-group-shape", "even"]))
+    assert path.pacing == GroupPacing(piece_bytes=512 << 20, ahead=0, shape=GroupShape.EVEN)
+    assert path.pacing.bounds(36, 6) == [6, 12, 18, 24, 30, 36] and path.pacing.bounds(4, 3) == [1, 2, 4]
     for bad in (["--load-ahead", "-1"], ["--load-piece-mb", "0"], ["--switch-interval-ms", "0"]):
         with pytest.raises(KvbmConfigError):
             data_path(build_parser().parse_args(bad))
