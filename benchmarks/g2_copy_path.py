@@ -14,8 +14,9 @@ it times:
   registration it crosses, 1 GiB each): the DMA ceiling of that memory;
 * ``mover, whole blocks``: ``BlockMover._engine_host`` of a LOAD (the lane's code of a ``sync`` /
   ``async`` load), the hit's blocks into scattered engine blocks;
-* ``mover, N layer groups``: the same in layer groups (a ``layerwise`` load), with each group's
-  landing time (when the lane reported it) after the call started.
+* ``mover, N layer groups``: the same in layer groups (a ``layerwise`` load; the daemon's group
+  shape, front-loaded since 2026-11-26, so the earlier files' first groups were larger ones), with
+  each group's landing time (when the lane reported it) after the call started.
 
 Kinds: ``shared`` (kvbm's G2: MAP_SHARED anonymous, 4 KiB pages), ``huge`` (an experiment, not a
 kvbm option: private anonymous memory with MADV_HUGEPAGE, see :class:`HugePagePool`) and
