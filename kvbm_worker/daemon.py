@@ -144,6 +144,13 @@ async def run(daemon: WorkerDaemon) -> int:
     return 0
 
 
+#: NOTE: Python's default switch interval is 5 ms. Beside vLLM on an H100 (2026-11-26) the load
+#: lane spent 40-70 ms issuing a 3 GB load's copies (0.35 ms a 256 MiB piece outside the daemon):
+#: at 0.5 ms a 256 MiB piece took 4.35 ms instead of 6.05 and the load 60.8 ms instead of 74.8
+#: (one run each, consecutive; README "Results ... fifth session").
+SWITCH_INTERVAL_MS = 0.5
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvbm-worker",
@@ -182,9 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="pieces of a layer-grouped load queued on the copy stream behind the one the copy "
                              "lane waits for; 0: all of them (a piece is queued only if it would land before the "
                              f"job's deadline at 1 GB/s) [default {GROUP_DEPTH}]")
-    parser.add_argument("--switch-interval-ms", type=float, default=None, metavar="MS",
+    parser.add_argument("--switch-interval-ms", type=float, default=SWITCH_INTERVAL_MS, metavar="MS",
                         help="Python's thread switch interval in this daemon: at most how long a copy lane waits "
-                             "for the interpreter lock while another thread holds it [default Python's, 5]")
+                             "for the interpreter lock while another thread holds it (Python's own default is 5; "
+                             "beside vLLM on an H100 a lane issuing a load's copies waited for it) "
+                             f"[default {SWITCH_INTERVAL_MS}]")
     add_config_arguments(parser)
     return parser
 
@@ -196,7 +205,7 @@ def data_path(args: argparse.Namespace) -> DataPath:
         raise KvbmConfigError("--cuda-copy applies to the GPU data path: give --gpu DEVICE")
     if not 0 < args.load_piece_mb <= 1 << 20 or args.load_ahead < 0:
         raise KvbmConfigError(f"--load-piece-mb must be in (0, {1 << 20}] and --load-ahead >= 0")
-    if args.switch_interval_ms is not None and not 0 < args.switch_interval_ms <= 1000:
+    if not 0 < args.switch_interval_ms <= 1000:
         raise KvbmConfigError("--switch-interval-ms must be in (0, 1000]")
     pacing = GroupPacing(int(args.load_piece_mb * (1 << 20)), args.load_ahead, GroupShape(args.load_group_shape))
     return DataPath(gpu=args.gpu, cuda_copy=mechanism, prefer_nixl=not args.no_nixl, pacing=pacing)
@@ -213,8 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     except KvbmConfigError as exc:
         print(f"kvbm-worker: {exc}", file=sys.stderr)
         return 2
-    if args.switch_interval_ms is not None:
-        sys.setswitchinterval(args.switch_interval_ms / 1e3)
+    sys.setswitchinterval(args.switch_interval_ms / 1e3)
     rank = args.rank if args.rank is not None else (int(args.worker_id) if args.worker_id.isdigit() else 0)
     daemon = WorkerDaemon(config, args.worker_id, rank, args.listen, args.leader, path)
     import uvloop

@@ -37,6 +37,7 @@ def test_the_pacing_of_layer_grouped_loads_comes_from_the_arguments():
                                                 "--load-group-shape", "even"]))
     assert path.pacing == GroupPacing(piece_bytes=512 << 20, ahead=0, shape=GroupShape.EVEN)
     assert path.pacing.bounds(36, 6) == [6, 12, 18, 24, 30, 36] and path.pacing.bounds(4, 3) == [1, 2, 4]
+    assert build_parser().parse_args([]).switch_interval_ms == 0.5, "the daemon's GIL switch interval, ms"
     for bad in (["--load-ahead", "-1"], ["--load-piece-mb", "0"], ["--switch-interval-ms", "0"]):
         with pytest.raises(KvbmConfigError):
             data_path(build_parser().parse_args(bad))
