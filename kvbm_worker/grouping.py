@@ -13,9 +13,9 @@ deadline, which the connector relies on).
 
 Why the groups shrink and the first pieces grow (H100, 2026-11-26, ``results/*_2026-11-26*``):
 the copy itself runs at the DMA's pace, but after the last group landed the engine still has
-to launch that group's layers (in eager mode ~1 ms of CPU per layer); and the first byte moves
-only once the first piece is issued (~5 us of driver time per copy beside vLLM). So the last
-group is one layer and the first pieces are small.
+to launch that group's layers (eager vLLM: 4-6 ms after the last of six equal groups); and the
+first byte moves only once the first piece is issued (a 256 MiB piece took the lane 3-6 ms to
+issue beside vLLM). So the last group is about one layer and the first pieces are small.
 """
 from __future__ import annotations
 

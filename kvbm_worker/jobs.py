@@ -73,7 +73,7 @@ class Landed:
     lane_ms: list[float] = field(default_factory=list)
     loop_ms: list[float] = field(default_factory=list)
     #: each piece's times, appended on the lane thread while the copy runs
-    #: (:class:`~.mover.Grouping`); read once the job's copy returned
+    #: (:class:`~.grouping.Grouping`); read once the job's copy returned
     pieces: list[PieceTimes] = field(default_factory=list)
 
     def advance(self, pages: int, on_lane: float | None = None) -> None:
