@@ -3,6 +3,9 @@
 # (../shared/tools/vllm_gpu_bundle.sh .carry, parts .carry/p00..p07) into .site, grpcio (the
 # stubs need >= 1.85.1; `.whl/`) into /tmp/site, and write the Qwen3-4B-shaped config that
 # vllm_peers.py serves with dummy weights. Idempotent. Then: benchmarks/vllm_gpu_ttft.sh.
+# The tree is over 4 MiB since 2026-11-26, so the tree and one 60 MiB part no longer fit the device
+# tool's 64 MiB a call: re-split the bundle first (any part size works, the parts are concatenated):
+#   cat .carry/p?? > /tmp/b && rm .carry/p?? && split -b 57M -d -a 2 /tmp/b .carry/p   # p00..p08
 set -eu
 if [ ! -d .site/vllm ]; then
   mkdir -p /tmp/w
