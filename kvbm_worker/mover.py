@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Callable, Protocol
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -51,6 +51,8 @@ from .runs import chunks, segments
 Ids = npt.NDArray[np.int64]
 Rows = npt.NDArray[np.uint8]
 HOST_CHUNK_BYTES = 256 << 20  # engine <-> G2 copies are cut here, to check the time in between
+
+
 class Pending(Protocol):
     """A copy a medium started; ``wait()`` returns once its bytes arrived."""
 
@@ -192,7 +194,7 @@ class BlockMover:
         queued as :attr:`pacing` says)."""
         host, sums = self._pool(), self.host_sums
         per = HOST_CHUNK_BYTES // region.block_bytes
-        pieces: list[tuple[int, int, tuple[int, int] | None, bool]]  # (see grouping.Piece)
+        pieces: Sequence[tuple[int, int, tuple[int, int] | None, bool]]  # (see grouping.Piece)
         depth = 1  # pieces in flight behind the one just issued
         if grouping is None:
             pieces = [(lo, hi, None, False) for lo, hi in chunks(len(blocks), per)]
@@ -200,21 +202,19 @@ class BlockMover:
             if sums is not None:  # every source is checked before the first group lands
                 for lo, hi in chunks(len(blocks), per):
                     self._verify(sums, Tier.HOST, Slots(slots[lo:hi]), host.slots, Slots(slots[lo:hi]))
-            pieces = list(group_pieces(len(blocks), grouping.bounds, region.page_bytes,
-                                           self.pacing.piece_bytes))
+            pieces = group_pieces(len(blocks), grouping.bounds, region.page_bytes, self.pacing.piece_bytes)
             depth = self.pacing.ahead or len(pieces)
         issued: list[Pending] = []
-        in_flight: deque[tuple[Pending, Slots, tuple[int, int] | None, bool, float, float]] = deque()
+        in_flight: deque[tuple[Pending, Slots, tuple[int, int] | None, bool, float, float, int]] = deque()
         times = grouping.pieces if grouping is not None else None
         mark = self._gpu_mark() if times is not None else None
         queued = 0  # bytes of the layer-grouped pieces in flight
 
         def settle(copy: Pending, to: Slots, pages: tuple[int, int] | None, group_done: bool, began: float,
-                   sent: float) -> None:
+                   sent: float, nbytes: int) -> None:
             nonlocal queued
             copy.wait()
-            if pages is not None:
-                queued -= len(to) * (pages[1] - pages[0]) * region.page_bytes
+            queued -= nbytes
             if times is not None:
                 landed = time.perf_counter()
                 times.append(PieceTimes(began, sent, landed, self._gpu_ms(mark, copy) if mark is not None else None))
@@ -225,11 +225,9 @@ class BlockMover:
 
         try:
             for lo, hi, pages, last in pieces:
-                if pages is None:
-                    self._check_time(until)
-                else:
-                    queued += (hi - lo) * (pages[1] - pages[0]) * region.page_bytes
-                    self._check_time(until - queued / DMA_FLOOR_BPS)
+                nbytes = 0 if pages is None else (hi - lo) * (pages[1] - pages[0]) * region.page_bytes
+                queued += nbytes  # (layer-grouped pieces only)
+                self._check_time(until - queued / DMA_FLOOR_BPS)
                 began = time.perf_counter()
                 b, s = EngineBlocks(blocks[lo:hi]), Slots(slots[lo:hi])
                 if kind is PlanKind.STORE:
@@ -240,7 +238,7 @@ class BlockMover:
                     if sums is not None and grouping is None:
                         self._verify(sums, Tier.HOST, s, host.slots, s)
                     issued.append(self._from_slots(region, b, host.slots, s, pages, mark is not None))
-                in_flight.append((issued[-1], s, pages, last, began, time.perf_counter()))
+                in_flight.append((issued[-1], s, pages, last, began, time.perf_counter(), nbytes))
                 # a synchronous medium's piece is there already; else keep ``depth`` queued
                 while in_flight and (len(in_flight) > depth or in_flight[-1][0] is DONE):
                     settle(*in_flight.popleft())

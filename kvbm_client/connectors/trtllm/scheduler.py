@@ -84,15 +84,14 @@ class KvbmConnectorScheduler(KvCacheConnectorScheduler):
         # NOTE: the overlap scheduler runs two iterations at once, and TensorRT-LLM frees a finished
         # request's blocks while the iteration that may still write them runs (no deferred frees):
         # only the worker role orders a load after it (its start_load_kv)
-        overlapping = 2 if settings.overlap_scheduler else 1
-        early_ok, why = early_loads_decision(settings.core.early_loads, bool(settings.worker_ids), overlapping,
-                                             defers_block_frees=False)
+        early_ok, why = early_loads_decision(settings.core.early_loads, bool(settings.worker_ids),
+                                             settings.overlapping_steps, defers_block_frees=False)
         log.info("kvbm: early loads %s (%s)", "on" if early_ok else "off", why)
         early = EarlyLoads(settings.core, settings.worker_ids) if early_ok else None
         self.block_size = settings.block_size
         self.core = SchedulerCore(settings.block_size, settings.core,
                                   leader or LeaderLink(settings.core, "trtllm-scheduler"), _extras_of, early,
-                                  overlapping_steps=overlapping)
+                                  overlapping_steps=settings.overlapping_steps)
         self._tracked: dict[RequestId, _Tracked] = {}
         #: connector tokens of lookups since the last build (TensorRT-LLM subtracts exactly
         #: these from a new request's ``computed_position`` in the next build)

@@ -48,6 +48,11 @@ class TrtllmSettings:
     overlap_scheduler: bool = True
 
     @property
+    def overlapping_steps(self) -> int:
+        """Iterations in flight at once: two under the overlap scheduler, else one."""
+        return 2 if self.overlap_scheduler else 1
+
+    @property
     def worker_id(self) -> WorkerId:
         return self.worker_ids[self.rank]
 

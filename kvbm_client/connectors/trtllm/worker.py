@@ -95,7 +95,7 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):
         self.rank = settings.rank
         self.overlap_scheduler = settings.overlap_scheduler
         self.core = core or WorkerCore(WorkerId(settings.worker_id), settings.core,
-                                       overlapping_steps=2 if settings.overlap_scheduler else 1)
+                                       overlapping_steps=settings.overlapping_steps)
         self.kv_cache_tensor: Any = None  # kept alive while the daemon addresses it
         self._ids = AsyncIds()
         self._loaded_plan: StepPlan | None = None  # the plan whose loads were sent
