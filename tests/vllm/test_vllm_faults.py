@@ -88,11 +88,14 @@ def test_layerwise_forward_waits_for_late_layers(vllm_python, tiny_model, baseli
     control: the same worker reporting every page landed before copying them makes the
     forward read pages that are not there yet, and the outputs differ (so the waits above are
     what kept them equal). Cost-aware loads are off: the slow loads would otherwise turn later
-    hits into recomputes, and this test is about loads."""
+    hits into recomputes, and this test is about loads. Four layer groups: the daemon's groups are
+    front-loaded (2 groups of the tiny model's 4 layers would be 3 + 1, leaving the control a
+    single late layer, too little to change the outputs every time); 4 groups leave at least half
+    of the pages late, as 2 equal groups did."""
     faults = dict(GROUP_DELAY_SECS="0.2", **({"LAYERS_EARLY": "1"} if lying else {}))
     node = kvbm_node(DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS="512", **fault_env(**faults))
     result = run_engine(vllm_python, tiny_model, tmp_path / "layerwise.json", "--kvbm", "--rounds", "4",
-                        "--kvbm-extra", json.dumps({"load_mode": "layerwise", "layer_groups": 2,
+                        "--kvbm-extra", json.dumps({"load_mode": "layerwise", "layer_groups": 4,
                                                       "cost_aware_loads": False}), env=node.env,
                         multiprocess=not lying)
     assert result["metrics"]["vllm:external_prefix_cache_hits"] > 0, "nothing was loaded: nothing was tested"
