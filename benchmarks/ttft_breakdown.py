@@ -1,7 +1,7 @@
 """Where a warm request's TTFT goes with kvbm, from one harness run (``vllm_peers.py`` JSONL) and
 the connector's trace of the same run (``KVBM_CONNECTOR_TRACE``); plus the peers' table.
 
-    python3 benchmarks/ttft_breakdown.py RESULTS.jsonl TRACE.jsonl [--systems ours,ours_sync,ours_async,ours_layerwise,ours_layerwise_noearly] [--pass N]
+    python3 benchmarks/ttft_breakdown.py RESULTS.jsonl TRACE.jsonl [--systems ours,ours_sync,ours_async,ours_layerwise,ours_layerwise_noearly,ours_layerwise_cpuwait] [--pass N]
 
 Passes (``vllm_peers.py --passes N``): by default every pass is used; the table gives per system
 the median over the passes of each pass's warm p50 / p90 (each pass's p50 beside it, and whether
@@ -124,7 +124,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("results")
     ap.add_argument("trace")
-    ap.add_argument("--systems", default="ours,ours_sync,ours_async,ours_layerwise,ours_layerwise_noearly", help="the traced systems to break down")
+    ap.add_argument("--systems", default="ours,ours_sync,ours_async,ours_layerwise,ours_layerwise_noearly,ours_layerwise_cpuwait", help="the traced systems to break down")
     ap.add_argument("--pass", dest="pass_index", type=int, default=None,
                     help="this pass alone (default: every pass, the breakdown pools their warm requests)")
     args = ap.parse_args()

@@ -15,6 +15,10 @@ from .ids import PlanKind, Tier
 
 #: ``TransferRequest.layer_groups`` accepted at most (the worker answers INVALID_ARGUMENT above)
 MAX_LAYER_GROUPS = 64
+#: The engine's signal page (``RegisterRegionRequest.signals``): exactly this many bytes, one
+#: little-endian uint32 word per slot (``TransferRequest.signal_slot`` is 1 + a word's index)
+SIGNAL_PAGE_BYTES = 4096
+SIGNAL_SLOTS = SIGNAL_PAGE_BYTES // 4
 
 __all__ = ["pb", "rpc", "sign_plan", "verify_plan", "GRPC_OPTIONS", "MatchResult"]
 

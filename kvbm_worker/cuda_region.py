@@ -18,15 +18,18 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import numpy.typing as npt
 
-from kvbm_client.contract import pb
+from kvbm_client.contract import SIGNAL_PAGE_BYTES, pb
 
 from .id_arrays import EngineBlocks
 from .regions import EngineRegion, Peer, RegionError
+
+if TYPE_CHECKING:
+    from .signals import SignalPage
 
 log = logging.getLogger("kvbm.worker")
 
@@ -161,7 +164,23 @@ class CudaEngineRegion(EngineRegion):
                               f"the {self._allocation_end[base] - base}-byte allocation")
         return base + int(buf.offset_bytes)
 
+    def attach_signals(self, page: "SignalPage") -> None:
+        """Register the page's mapping with CUDA, so the copy stream can write its words
+        (``cuStreamWriteValue32``) after a group's copies."""
+        rt = cudart()
+        check(rt.cudaSetDevice(self.device), "cudaSetDevice")
+        flags = rt.cudaHostRegisterMapped | rt.cudaHostRegisterPortable
+        try:
+            check(rt.cudaHostRegister(page.address, SIGNAL_PAGE_BYTES, flags), "cudaHostRegister")
+            page.unregister = lambda: _host_unregister(page.address)
+            page.device_ptr = int(check(rt.cudaHostGetDevicePointer(page.address, 0), "cudaHostGetDevicePointer"))
+        except CudaError as exc:
+            page.close()
+            raise RegionError(f"signal page: {exc}") from None
+        super().attach_signals(page)
+
     def close(self) -> None:
+        self._close_signals()
         self.buffers, self.buffer_ptrs = [], []
         if self._opened:
             rt = cudart()
@@ -171,6 +190,12 @@ class CudaEngineRegion(EngineRegion):
                 if err != rt.cudaError_t.cudaSuccess:
                     log.warning("cudaIpcCloseMemHandle: %s", getattr(err, "name", err))
             self._opened = {}
+
+
+def _host_unregister(address: int) -> None:
+    err = cudart().cudaHostUnregister(address)[0]
+    if err != cudart().cudaError_t.cudaSuccess:
+        log.warning("cudaHostUnregister: %s", getattr(err, "name", err))
 
 
 def _allocation_size(ptr: int) -> int:

@@ -23,7 +23,11 @@ import enum
 from dataclasses import dataclass
 from typing import Callable
 
+from kvbm_client.ids import PlanKind, Tier
+
 from .jobs import PieceTimes
+from .plan_check import Batch
+from .signals import JobSignals
 
 PIECE_BYTES = 256 << 20  # default: a piece spans at most this much of one group's pages
 RAMP = 3  # the first piece of a load is PIECE_BYTES >> RAMP, the next ones double up to PIECE_BYTES
@@ -73,6 +77,8 @@ class Grouping:
     #: if given: each piece's :class:`~.jobs.PieceTimes`, appended on the lane (and the medium
     #: times its copies on the GPU too)
     pieces: list[PieceTimes] | None = None
+    #: the engine's signal words the load writes as its groups land (:mod:`.signals`)
+    signals: JobSignals | None = None
 
 
 def group_bounds(pages_per_block: int, groups: int) -> list[int]:
@@ -110,3 +116,9 @@ def group_pieces(num_blocks: int, bounds: list[int], page_bytes: int, piece_byte
             pieces.append((lo, hi, (first, end), hi == num_blocks))
             lo, cap = hi, min(piece_bytes, cap * 2)
     return pieces
+
+
+def groupable(batch: Batch) -> bool:
+    """Whether ``batch`` may run in layer groups: a LOAD whose entries are all in G2 (a G3
+    read lands whole blocks through the bounce buffer)."""
+    return batch.kind is PlanKind.LOAD and not len(batch.entries(Tier.DISK)[0])

@@ -18,12 +18,16 @@ import asyncio
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvbm_client.ids import JobId
 
 from .id_arrays import EngineBlocks
+
+if TYPE_CHECKING:
+    from .signals import JobSignals
 
 LIMIT = 1024  # records kept at most (done ones are dropped oldest first beyond it)
 
@@ -75,6 +79,8 @@ class Landed:
     #: each piece's times, appended on the lane thread while the copy runs
     #: (:class:`~.grouping.Grouping`); read once the job's copy returned
     pieces: list[PieceTimes] = field(default_factory=list)
+    #: the engine's signal words this load writes (a region with a signal page)
+    signals: JobSignals | None = None
 
     def advance(self, pages: int, on_lane: float | None = None) -> None:
         if on_lane is not None:

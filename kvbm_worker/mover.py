@@ -10,9 +10,10 @@ CPU engine's shared memory; :class:`~.handlers.cuda.CudaMover` for CUDA IPC regi
 Order within a batch: demotions, promotions, then the entries (a STORE may reuse the host
 slot of a block it first demotes to disk).
 
-Layer groups (a LOAD from G2 with a :class:`~.grouping.Grouping`, pieces as :mod:`.grouping`
-cuts them): ``Grouping.landed`` is called with a group's end page once its bytes are in the
-engine's memory (``TransferLayers``); the time check at the end still decides the outcome.
+Layer groups (a LOAD from G2 with a :class:`~.grouping.Grouping`, cut as :mod:`.grouping`
+says): ``Grouping.landed`` gets a group's end page once its bytes are in the engine's memory,
+and the engine's signal words (:mod:`.signals`) are written after its copies; the time check
+at the end still decides the outcome.
 
 Integrity (every G3 slot; G2 slots with ``host_checksums``): a slot's xxh3-64 is computed
 on the lane from the bytes written (:mod:`.checksums`) and checked after every read, before
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -40,39 +41,25 @@ from .errors import CopyExpired, SlotsFailed
 from .handlers import cpu
 from .handlers.disk_guard import DiskHung, DiskTimeout, TimedDiskIO
 from .id_arrays import EngineBlocks, Slots
-from .grouping import DMA_FLOOR_BPS, GroupPacing, Grouping as Grouping, group_pieces
+from .grouping import DMA_FLOOR_BPS, GroupPacing, Grouping as Grouping, group_pieces, groupable
 from .jobs import JobKey, PieceTimes
 from .lanes import Lane
+from .pending import DONE, Pending
 from .plan_check import Batch
 from .pools import DiskPool, HostPool
 from .regions import EngineRegion
 from .runs import chunks, segments
+from .signals import SignalWriter
 
 Ids = npt.NDArray[np.int64]
 Rows = npt.NDArray[np.uint8]
 HOST_CHUNK_BYTES = 256 << 20  # engine <-> G2 copies are cut here, to check the time in between
 
 
-class Pending(Protocol):
-    """A copy a medium started; ``wait()`` returns once its bytes arrived."""
-
-    def wait(self) -> None: ...
-
-
-class Done:
-    """A copy that completed when it was issued (the CPU medium)."""
-
-    def wait(self) -> None:
-        pass
-
-
-DONE = Done()
-
-
 class BlockMover:
     """Moves bytes for one worker's pools (one pool epoch). Owns the bounce buffers and the
-    G2 checksum table; borrows the pools (the G3 checksum table belongs to the G3 file, which
-    may outlive the worker) and the disk I/O (the caller closes those).
+    G2 checksum table; borrows the pools (the G3 table belongs to the G3 file, which may
+    outlive the worker) and the disk I/O (the caller closes those).
 
     Args:
         host, disk: the G2 and G3 pools (None when the tier is off).
@@ -125,6 +112,13 @@ class BlockMover:
         cpu.scatter(rows, picks, region, blocks, pages)
         return DONE
 
+    def _signal(self, region: EngineRegion, slot: int, value: int) -> Pending:
+        """Write word ``slot`` of the region's signal page after every copy issued so far
+        (:mod:`.signals`); here those copies are done: a CPU store."""
+        assert region.signals is not None, "signal words name a region without a signal page"
+        region.signals.store(slot, value)
+        return DONE
+
     def _gpu_mark(self) -> object | None:
         """A mark on the load stream's clock (None: this medium has none; the CPU copies)."""
         return None
@@ -150,19 +144,13 @@ class BlockMover:
                 continue
             if tier is Tier.HOST:
                 self._engine_host(batch.kind, region, blocks, slots, until,
-                                  grouping if self.groupable(batch) else None)
+                                  grouping if groupable(batch) else None)
             elif batch.kind is PlanKind.STORE:
                 self._store_disk(region, blocks, slots, until, batch.job)
             else:
                 self._load_disk(region, blocks, slots, until)
             moved += len(blocks) * region.block_bytes
         return moved
-
-    @staticmethod
-    def groupable(batch: Batch) -> bool:
-        """Whether ``batch`` may run in layer groups: a LOAD whose entries are all in G2 (a G3
-        read lands whole blocks through the bounce buffer)."""
-        return batch.kind is PlanKind.LOAD and not len(batch.entries(Tier.DISK)[0])
 
     def _check_time(self, until: float) -> None:
         late = self.clock() - until
@@ -209,6 +197,8 @@ class BlockMover:
         times = grouping.pieces if grouping is not None else None
         mark = self._gpu_mark() if times is not None else None
         queued = 0  # bytes of the layer-grouped pieces in flight
+        words = SignalWriter(grouping.signals if grouping is not None else None,
+                             lambda slot, value: self._signal(region, slot, value))
 
         def settle(copy: Pending, to: Slots, pages: tuple[int, int] | None, group_done: bool, began: float,
                    sent: float, nbytes: int) -> None:
@@ -239,11 +229,13 @@ class BlockMover:
                         self._verify(sums, Tier.HOST, s, host.slots, s)
                     issued.append(self._from_slots(region, b, host.slots, s, pages, mark is not None))
                 in_flight.append((issued[-1], s, pages, last, began, time.perf_counter(), nbytes))
+                issued.extend(words.group_issued(pages[1]) if last and pages is not None else words.catch_up())
                 # a synchronous medium's piece is there already; else keep ``depth`` queued
                 while in_flight and (len(in_flight) > depth or in_flight[-1][0] is DONE):
                     settle(*in_flight.popleft())
             while in_flight:
                 settle(*in_flight.popleft())
+                issued.extend(words.catch_up())
         finally:
             for copy in issued:  # nothing may still be copying once the job is answered
                 copy.wait()

@@ -28,6 +28,7 @@ from kvbm_client.security import region_digest
 
 from .errors import RegionRejected
 from .regions import EngineRegion, Peer, RegionError, RegionLimits, RegionShape, check_request
+from .signals import map_signal_page
 
 log = logging.getLogger("kvbm.worker")
 
@@ -91,14 +92,26 @@ class RegionRegistry:
                                  "(engines that share a worker's cache have one layout)")
         try:
             check_request(request, self.limits)
-            region = self.factory(request, fds, owner)
+            page = map_signal_page(request, fds)  # (its fd is the last one)
+            try:
+                region = self.factory(request, fds[:-1] if page is not None else fds, owner)
+            except BaseException:
+                if page is not None:
+                    page.close()
+                raise
+            if page is not None:
+                try:
+                    region.attach_signals(page)
+                except BaseException:
+                    region.close()
+                    raise
         except RegionError as exc:
             raise RegionRejected(grpc.StatusCode.INVALID_ARGUMENT, f"region rejected: {exc}") from None
         self._regions[region.region_id] = region
         self._gone[region.region_id] = asyncio.Event()
-        log.info("engine %r (pid %d) registered region %s: %d layers x %d blocks x %d bytes (%d regions held)",
+        log.info("engine %r (pid %d) registered region %s: %d layers x %d blocks x %d bytes%s (%d regions held)",
                  region.engine_id, region.pid, region_digest(region.region_id), region.num_layers, region.num_blocks,
-                 region.page_bytes, len(self._regions))
+                 region.page_bytes, ", with a signal page" if region.signals is not None else "", len(self._regions))
         announced = self._announced
         if announced is None or RegionShape(announced.num_layers, announced.page_bytes, announced.dtype) != shape:
             self._announced = pb.KvLayout(num_layers=region.num_layers, page_bytes=region.page_bytes,

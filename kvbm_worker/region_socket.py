@@ -194,15 +194,16 @@ class RegionSocket:
         need = HEADER.size
         while len(data) < need:
             await _readable(loop, conn)
-            room = socket.CMSG_SPACE(max(0, limits.max_buffers - len(fds)) * array.array("i").itemsize)
+            # (max_buffers memfds, and one more: the signal page)
+            room = socket.CMSG_SPACE(max(0, limits.max_buffers + 1 - len(fds)) * array.array("i").itemsize)
             try:
                 chunk, ancdata, flags, _ = conn.recvmsg(need - len(data), room)
             except BlockingIOError:
                 continue
             fds.extend(_rights(ancdata))
-            if flags & socket.MSG_CTRUNC:
-                raise _Refused(Code.INVALID_ARGUMENT, f"more than {limits.max_buffers} fds "
-                                                      "(DYN_KVBM_MAX_REGION_BUFFERS)")
+            if flags & socket.MSG_CTRUNC or len(fds) > limits.max_buffers + 1:  # (the space is rounded up)
+                raise _Refused(Code.INVALID_ARGUMENT, f"more than {limits.max_buffers + 1} fds "
+                                                      "(DYN_KVBM_MAX_REGION_BUFFERS and a signal page)")
             if not chunk:
                 raise ConnectionError("the peer closed the connection before its registration was complete")
             data += chunk

@@ -24,7 +24,7 @@ import os
 import secrets
 import stat
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import grpc
 import numpy as np
@@ -37,6 +37,9 @@ from kvbm_client.security import region_digest
 
 from .errors import JobFailed
 from .id_arrays import EngineBlocks
+
+if TYPE_CHECKING:
+    from .signals import SignalPage
 
 #: a region id is a capability (whoever holds it may transfer into the region): 128 random bits
 REGION_ID_BYTES = 16
@@ -164,6 +167,18 @@ class EngineRegion:
         self.retired = False
         self._users = 0
         self._unused: asyncio.Event | None = None
+        #: the engine's signal page (``RegisterRegionRequest.signals``), if it sent one
+        self.signals: SignalPage | None = None
+
+    def attach_signals(self, page: "SignalPage") -> None:
+        """Keep the engine's signal page (closed with the region). The CPU medium stores its
+        words from the CPU; a GPU region also registers it with CUDA."""
+        self.signals = page
+
+    def _close_signals(self) -> None:
+        if self.signals is not None:
+            self.signals.close()
+            self.signals = None
 
     @property
     def pid(self) -> int:
@@ -262,6 +277,7 @@ class EngineRegion:
                                   f"has {size} bytes")
 
     def close(self) -> None:
+        self._close_signals()
         self.layer_views = []
         self.buffers = []
         for mm in self._maps:

@@ -47,10 +47,12 @@ from .handlers.disk_guard import DiskHung
 from .jobs import Job, JobTable, Landed, Moved
 from .lanes import LaneFull, Lanes, LateStart, Ticket
 from .leader_gate import JobReport, LeaderGate
-from .mover import BlockMover, Grouping
+from .grouping import Grouping, groupable
+from .mover import BlockMover
 from .plan_check import Batch, check_command, check_not_late, check_transfer
 from .region_registry import RegionRegistry
 from .regions import EngineRegion
+from .signals import JobSignals, request_target
 
 log = logging.getLogger("kvbm.worker")
 Code = grpc.StatusCode
@@ -155,13 +157,15 @@ class JobRunner:
                 raise PlanRejected(Code.ABORTED, exc.message, exc.job_id) from None
             raise
         groups = self._layer_groups(request, batch, region)
+        target = request_target(request, region, batch)
         kind = batch.kind.name.lower()
         job = self._jobs.get(batch.job)
         joined = job is not None
         if job is None:
             check_not_late(batch, time.monotonic())
             ticket = self._admit(batch)
-            landed = Landed(region.num_layers, groups) if groups > 1 else None
+            signals = JobSignals(region.signals) if region.signals is not None else None
+            landed = Landed(region.num_layers, groups, signals=signals) if groups > 1 else None
             task = asyncio.ensure_future(self._run_job(batch, region, ticket, landed))
             task.add_done_callback(lambda t: t.cancelled() or t.exception())  # outcome read by the callers
             job = self._jobs.add(Job(batch.job, region.region_id, batch.engine_blocks, batch.deadline, task, landed),
@@ -175,6 +179,8 @@ class JobRunner:
             self.counters.add("jobs_joined")
             log.debug("job %d %s: joined (%s; request in transit %.1f ms)", batch.job_id, kind,
                       "done" if job.task.done() else "running", transit * 1e3)
+        if target is not None and job.landed is not None and job.landed.signals is not None:
+            job.landed.signals.add(target)  # (a job of whole blocks: the engine writes the word at its outcome)
         return _Call(job, region, joined, received, transit)
 
     @staticmethod
@@ -191,7 +197,7 @@ class JobRunner:
         if groups > MAX_LAYER_GROUPS:
             raise PlanRejected(Code.INVALID_ARGUMENT,
                                f"job {batch.job_id}: layer_groups={groups}, at most {MAX_LAYER_GROUPS}", batch.job_id)
-        if not BlockMover.groupable(batch):
+        if not groupable(batch):
             return 1  # G3 reads land whole blocks (the bounce pipeline); the answer says when
         return min(groups, region.num_layers)
 
@@ -278,7 +284,7 @@ class JobRunner:
         loop = asyncio.get_running_loop()
         return Grouping(self.pools.path.pacing.bounds(landed.pages_per_block, landed.groups),
                         lambda pages: loop.call_soon_threadsafe(landed.advance, pages, time.perf_counter()),
-                        landed.pieces)
+                        landed.pieces, landed.signals)
 
     def _on_lane(self, batch: Batch, region: EngineRegion | None, until: float,
                  grouping: Grouping | None = None) -> int:

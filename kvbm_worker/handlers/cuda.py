@@ -25,7 +25,8 @@ from ..grouping import GroupPacing
 from ..handlers.disk_guard import TimedDiskIO
 from ..id_arrays import EngineBlocks
 from ..lanes import Lane
-from ..mover import BlockMover, Pending
+from ..mover import BlockMover
+from ..pending import Pending
 from ..pools import DiskPool, HostPool
 from ..regions import EngineRegion, Peer, RegionError
 from .cuda_copier import MECHANISMS as MECHANISMS
@@ -62,7 +63,7 @@ def open_region(request: "pb.RegisterRegionRequest", fds: Sequence[int], owner: 
 
 
 class _Event:
-    """A CUDA event as a :class:`~kvbm_worker.mover.Pending` copy."""
+    """A CUDA event as a :class:`~kvbm_worker.pending.Pending` copy."""
 
     def __init__(self, event: Any) -> None:
         self.event = event
@@ -121,6 +122,12 @@ class CudaMover(BlockMover):
             return super()._from_slots(region, blocks, rows, picks, pages)
         addrs = rows.ctypes.data + picks * rows.shape[1]
         return _Event(self.copier.copy(Direction.H2D, region, blocks, addrs, wait=False, pages=pages, timed=timed))
+
+    def _signal(self, region: EngineRegion, slot: int, value: int) -> Pending:
+        if not isinstance(region, CudaEngineRegion):
+            return super()._signal(region, slot, value)
+        assert region.signals is not None and region.signals.device_ptr is not None, "a signal page without CUDA"
+        return _Event(self.copier.write_word(Direction.H2D, region.signals.device_ptr + 4 * slot, value))
 
     def _gpu_mark(self) -> object | None:
         mark: object = self.copier.mark(Direction.H2D)

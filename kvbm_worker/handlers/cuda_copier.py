@@ -156,6 +156,20 @@ class CudaCopier:
         event.record(self.streams[Direction(direction)])
         return event
 
+    def write_word(self, direction: str, address: int, value: int) -> Any:
+        """Write the uint32 ``value`` at device-mapped ``address`` on ``direction``'s stream,
+        after every copy issued on it before (a stream memory operation: the write is preceded
+        by a system-wide memory fence); returns the CUDA event that marks it done."""
+        from cuda.bindings import driver
+        stream = self.streams[Direction(direction)]
+        err = driver.cuStreamWriteValue32(driver.CUstream(stream.cuda_stream), driver.CUdeviceptr(address), value,
+                                          driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)[0]
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise CudaError(f"cuStreamWriteValue32: {getattr(err, 'name', err)}")
+        event = _event()
+        event.record(stream)
+        return event
+
     def copy(self, direction: str, region: CudaEngineRegion, blocks: Sequence[int] | Addrs, host_addrs: Addrs,
              wait: bool = True, mechanism: str | None = None, pages: tuple[int, int] | None = None,
              timed: bool = False) -> Any:

@@ -136,3 +136,87 @@ def test_layerwise_load_worker_killed_mid_load(gpu_node):
         assert time.monotonic() - t0 < 5, "the engine side waited on a dead worker"
         with pytest.raises(grpc.RpcError):
             call.result(5)
+
+
+def test_a_gpu_layer_wait_holds_the_stream_until_its_word():
+    """The engine's side alone: a stream wait on a word of the signal page (host memory) holds
+    the kernels enqueued after it until the CPU (here; the daemon's copy stream in a load)
+    writes the word, and a smaller value does not release it."""
+    import time
+
+    from kvbm_client.signal_page import EngineSignals
+    signals = EngineSignals()
+    assert signals.enable_gpu(0) is None
+    signal = signals.take(8)
+    assert signal is not None
+    x = torch.ones(1 << 20, device="cuda")
+    stream = torch.cuda.Stream()
+    done = torch.cuda.Event()
+    try:
+        with torch.cuda.stream(stream):
+            signals.wait(signal, 5, stream.cuda_stream)
+            y = x * 2
+            done.record(stream)
+        time.sleep(0.2)
+        assert not done.query(), "the kernel after the wait ran before its word was written"
+        signals.words[signal.slot] = signal.base + 4
+        time.sleep(0.2)
+        assert not done.query(), "a smaller value released the wait"
+        signals.words[signal.slot] = signal.base + 5
+        end = time.monotonic() + 5
+        while not done.query() and time.monotonic() < end:
+            time.sleep(0.001)
+        assert done.query(), "the wait was not released by its word"
+        assert float(y[0]) == 2.0
+    finally:
+        signals.release(signal)  # never leave the GPU waiting
+        torch.cuda.synchronize()
+        signals.close()
+
+
+def test_a_layerwise_load_writes_its_word_after_the_copies_on_the_copy_stream(gpu_node):
+    """A CUDA region with a signal page: the engine's stream waits for the load's word before
+    reading the blocks (enqueued before the daemon even got the call); what it read equals the
+    offloaded bytes, and the word ends at base + the pages per block."""
+    from kvbm_client.channels import open_channel
+    from kvbm_client.contract import pb, rpc
+    from kvbm_client.leader_session import LeaderSession
+    from kvbm_client.signal_page import EngineSignals, SignalledRegion
+    node = gpu_node(DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS="64")
+    client = node.client()
+    kv = make_kv("cross", NUM_BLOCKS, LAYERS)
+    fill_random(kv, 1)
+    signals = EngineSignals()
+    assert signals.enable_gpu(0) is None
+    client.register_region("0", SignalledRegion(export_kv_cache(kv, block_dim=0), signals))
+    client.wait_ready(60)
+    hs, src = keys(40, 5), list(range(3, 43))
+    ref = torch.stack([block_bytes(kv, "cross", b).clone() for b in src])
+    client.wait(client.offload(hs, src))
+    fill_random(kv, 2)
+    pages = 2 * LAYERS
+    signal = signals.take(pages)
+    assert signal is not None
+    dst = list(range(50, 90))
+    stream = torch.cuda.Stream()
+    try:
+        with torch.cuda.stream(stream):
+            signals.wait(signal, pages, stream.cuda_stream)
+            seen = torch.stack([block_bytes(kv, "cross", d) for d in dst])  # read after the word only
+        with LeaderSession(node.leader_address, timeout=5) as session:
+            load = session.prepare_load(hs)
+            assert load.num_blocks == 40
+            stub = rpc.WorkerStub(open_channel(node.config().worker_address("0"), node.config()))
+            request = pb.TransferRequest(region_id=client.region_id("0"), engine_blocks=dst, layer_groups=3,
+                                         signal_slot=signal.slot + 1, signal_base=signal.base,
+                                         plan=pb.SignedPlan(plan=load.signed.plan, signature=load.signed.signature))
+            messages = list(stub.TransferLayers(request, timeout=30))
+        assert messages[-1].HasField("done"), node.log()[-3000:]
+        assert int(signals.words[signal.slot]) == signal.base + pages
+        stream.synchronize()
+        assert torch.equal(seen, ref), "the engine's stream read the blocks before their word said they landed"
+    finally:
+        signals.release(signal)
+        torch.cuda.synchronize()
+        client.unregister_region("0")
+        signals.close()

@@ -275,7 +275,9 @@ def test_row11_region_limits_are_checked_before_anything_is_mapped(make_node):
         with pytest.raises(RegionRefused) as info:
             register(path, req, [engine.fd], 10)
         assert info.value.code == CODE.INVALID_ARGUMENT and setting in str(info.value)
-    with pytest.raises(RegionRefused, match="DYN_KVBM_MAX_REGION_BUFFERS"):  # more fds than buffers allowed
+    with pytest.raises(RegionRefused, match="DYN_KVBM_MAX_REGION_BUFFERS"):  # more fds than buffers (+ a signal page)
+        register(path, region(), [engine.fd] * 66, 10)
+    with pytest.raises(RegionRefused, match="buffers name only"):  # one more fd than buffers, and no signal page
         register(path, region(), [engine.fd] * 65, 10)
     lease = register(path, region(layers=4), [engine.fd], 10)  # within the limits: served
     assert lease.region_id

@@ -29,7 +29,7 @@ class FakeLink:
         self.failing = failing
         self.sent: list[tuple[bytes, float | None]] = []
 
-    def submit(self, plan, signature, blocks, timeout=None, layer_groups=0):
+    def submit(self, plan, signature, blocks, timeout=None, layer_groups=0, gpu=None):
         self.sent.append((plan, timeout))
         self.layer_groups = layer_groups
         future: Future = Future()

@@ -25,7 +25,7 @@ class FakeCore:
     def __init__(self) -> None:
         self.calls: list[tuple] = []
 
-    def set_region(self, spec) -> None:
+    def set_region(self, spec, signals=None) -> None:
         self.calls.append(("region",))
 
     def start_loads(self, loads, wait=True, ready=None) -> None:

@@ -28,7 +28,7 @@ from ...ids import EngineBlockId, WorkerId
 from ...region_wire import RegionLease, register
 from ...regions import RegionSpecLike
 from ...security import region_digest
-from .layerwise import READER_THREADS, LayerwiseCall
+from .layerwise import GpuWait, READER_THREADS, LayerwiseCall
 from .region_ids import EngineRegionIds
 from .settings import Backoff, ConnectorSettings
 
@@ -74,10 +74,12 @@ class RegionLink:
             self._watchdog.start()
 
     def submit(self, plan: bytes, signature: bytes, blocks: list[EngineBlockId],
-               timeout: float | None = None, layer_groups: int = 0) -> "grpc.Future[Any] | LayerwiseCall | None":
+               timeout: float | None = None, layer_groups: int = 0,
+               gpu: GpuWait | None = None) -> "grpc.Future[Any] | LayerwiseCall | None":
         """Send one signed plan for ``blocks``, answered within ``timeout`` seconds (default: the
         old fixed wait); None when no region is registered now. ``layer_groups`` > 1: a load
-        copied in that many layer groups, its progress streamed (:class:`LayerwiseCall`)."""
+        copied in that many layer groups, its progress streamed (:class:`LayerwiseCall`);
+        ``gpu``: its word on the signal page (the daemon writes it as groups land)."""
         with self._lock:
             if not self._ensure_region():
                 return None
@@ -85,11 +87,13 @@ class RegionLink:
             request = pb.TransferRequest(region_id=self._lease.region_id,
                                          plan=pb.SignedPlan(plan=plan, signature=signature),
                                          engine_blocks=blocks, sent_at=time.time(), layer_groups=max(0, layer_groups))
+            if gpu is not None and layer_groups > 1:
+                request.signal_slot, request.signal_base = gpu.signal.slot + 1, gpu.signal.base
             wait = max(self.settings.timeout_s, 30.0) if timeout is None else timeout
             if layer_groups > 1:
                 if self._readers is None:
                     self._readers = ThreadPoolExecutor(READER_THREADS, thread_name_prefix="kvbm-layers")
-                return LayerwiseCall(self._stub.TransferLayers(request, timeout=wait), self._readers)
+                return LayerwiseCall(self._stub.TransferLayers(request, timeout=wait), self._readers, gpu)
             future: grpc.Future[Any] = self._stub.Transfer.future(request, timeout=wait)
             return future
 

@@ -65,6 +65,10 @@ class ConnectorSettings:
     prefill_tokens_per_s: float = 0.0
     #: ``load_mode`` layerwise: the groups of layers a load is copied in (2..64)
     layer_groups: int = DEFAULT_LAYER_GROUPS
+    #: ``load_mode`` layerwise on a GPU: the forward's layer waits go on the GPU (stream memory
+    #: operations on the engine's signal page, :mod:`kvbm_client.signal_page`), so the engine's
+    #: CPU enqueues the whole forward while the copy runs; false: the CPU waits per layer
+    gpu_layer_waits: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "load_mode", _load_mode(self.load_mode))
@@ -92,7 +96,8 @@ class ConnectorSettings:
                    early_loads=_flag("early_loads", extra.get("early_loads", True)),
                    cost_aware_loads=_flag("cost_aware_loads", extra.get("cost_aware_loads", cfg.cost_aware_loads)),
                    prefill_tokens_per_s=float(extra.get("prefill_tokens_per_s", cfg.prefill_tokens_per_s)),
-                   layer_groups=_int("layer_groups", extra.get("layer_groups", DEFAULT_LAYER_GROUPS)))
+                   layer_groups=_int("layer_groups", extra.get("layer_groups", DEFAULT_LAYER_GROUPS)),
+                   gpu_layer_waits=_flag("gpu_layer_waits", extra.get("gpu_layer_waits", True)))
 
     @property
     def sync_loads(self) -> bool:

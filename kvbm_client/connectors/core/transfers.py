@@ -183,6 +183,8 @@ class TransferTracker:
             log.warning("kvbm load for %s failed (%s); the engine recomputes it", req_id, _why(exc))
             self._load_errors.update(item.engine_blocks)
             self._on_failure(exc)
+        if isinstance(item.future, LayerwiseCall):
+            item.future.end_signal()  # (after an unanswering daemon was stopped above)
         self._on_load_done(req_id, item, answer, mode)
         return answer is not None
 

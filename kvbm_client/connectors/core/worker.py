@@ -38,7 +38,9 @@ import grpc
 from ...contract import pb
 from ...ids import EngineBlockId, WorkerId
 from ...regions import RegionSpecLike
+from ...signal_page import EngineSignals, SignalledRegion
 from .daemon_process import DaemonProcess
+from .layerwise import GpuWait, LayerwiseCall
 from .region_link import RegionLink
 from .settings import ConnectorSettings
 from .specs import LoadSpec, RequestId, StoreSpec
@@ -55,6 +57,12 @@ ANSWER_MARGIN_S = 5.0
 NO_DEADLINE_WAIT_S = 30.0
 #: Seconds to wait for a killed daemon to be gone.
 KILL_WAIT_S = 5.0
+
+
+def _current_stream() -> int:
+    """The handle of the CUDA stream the engine's forward is enqueued on now."""
+    import torch
+    return int(torch.cuda.current_stream().cuda_stream)
 
 
 def answer_by(deadline: float) -> float:
@@ -83,12 +91,19 @@ class WorkerCore:
         self.overlapping_steps = max(1, overlapping_steps)
         self._tainted_steps = 0  # steps whose stores are dropped (their forward read unloaded pages)
         self._store_thread: ThreadPoolExecutor | None = None
+        self.signals: EngineSignals | None = None  # GPU layer waits (the page is on the GPU)
+        self._pages_per_block = 0
 
-    def set_region(self, spec: RegionSpecLike | None) -> None:
-        """Register the engine's KV memory (None: it cannot be shared; serve without kvbm)."""
+    def set_region(self, spec: RegionSpecLike | None, signals: EngineSignals | None = None) -> None:
+        """Register the engine's KV memory (None: it cannot be shared; serve without kvbm);
+        ``signals``: the engine's signal page, registered with it (layer waits on the GPU)."""
         if spec is None:
             log.warning("kvbm: the engine's KV cache is not shareable with the worker daemon; serving without kvbm")
             return
+        self._pages_per_block = len(spec.layers)
+        if signals is not None:
+            self.signals = signals
+            spec = SignalledRegion(spec, signals)
         self.link.register(spec)
 
     # ------------------------------------------------------------------ loads
@@ -128,8 +143,34 @@ class WorkerCore:
 
     def _submit(self, plan: bytes, signature: bytes, blocks: list[EngineBlockId],
                 due: float, layer_groups: int = 0) -> "TransferFuture | None":
-        return self.link.submit(plan, signature, blocks, timeout=max(0.1, due - time.monotonic()),
-                                layer_groups=layer_groups)
+        gpu = self._gpu_wait(due) if layer_groups > 1 else None
+        future = self.link.submit(plan, signature, blocks, timeout=max(0.1, due - time.monotonic()),
+                                  layer_groups=layer_groups, gpu=gpu)
+        if gpu is not None and not isinstance(future, LayerwiseCall):
+            gpu.signals.give_back(gpu.signal)  # never sent: nothing writes or waits for it
+        return future
+
+    def _gpu_wait(self, due: float) -> GpuWait | None:
+        """A word of the signal page for a layer-pipelined load answered by ``due`` (None: its
+        layers wait on the CPU)."""
+        signals = self.signals
+        signal = signals.take(self._pages_per_block) if signals is not None and signals.on_gpu else None
+        if signals is None or signal is None:
+            return None
+        return GpuWait(signals, signal, lambda exc: self._failure_settled(exc, due), _current_stream)
+
+    def _failure_settled(self, exc: BaseException, due: float) -> bool:
+        """On a progress reader, for a failed layer-pipelined load: whether no copy of it can
+        still land, stopping the daemon first when it did not answer (as :meth:`_stop_daemon`
+        does on the engine's thread, which settles the load when this returns False)."""
+        code = exc.code() if isinstance(exc, grpc.RpcError) else None
+        unanswered = code is None or code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) or (
+            code == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() >= due)
+        if not unanswered:
+            return True  # the daemon's own status: it answers after its copies stopped
+        if not self.daemon.held:
+            return False
+        return self.daemon.gone() or self.daemon.kill(KILL_WAIT_S)
 
     def _stop_daemon(self, item: InFlight) -> None:
         """A load got no answer by its deadline plus the margin: the daemon is stopped, frozen
@@ -225,6 +266,8 @@ def _trace_load(req_id: RequestId, item: InFlight, answer: Any, mode: str) -> No
     landings = getattr(item.future, "landings", None)
     if landings:  # a layer-pipelined load: when each group's pages landed (ms after the submit)
         daemon["landed_ms"] = [round((t - item.submitted) * 1e3, 2) for t, _ in landings]
+    if isinstance(item.future, LayerwiseCall):  # waits enqueued on the GPU (0: the CPU waited)
+        daemon["gpu_waits"] = item.future.gpu_waits
     trace("load", req=req_id, blocks=len(item.engine_blocks), mode=mode,
           submit_to_done_ms=round((time.monotonic() - item.submitted) * 1e3, 2), **daemon)
 

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ...ids import EngineBlockId, WorkerId
 from ...regions import LayerSpec, RegionSpec, RegionSpecLike
+from ...signal_page import EngineSignals
 from ..core.settings import ConnectorSettings, LoadMode
 from ..core.specs import StepPlan
 from ..core.tracing import trace, tracing
@@ -95,6 +96,7 @@ class KvbmConnectorWorker:
     def __init__(self, worker_id: str, settings: ConnectorSettings, overlapping_steps: int = 1,
                  ordered_loads: bool = False) -> None:
         self.core = WorkerCore(WorkerId(worker_id), settings, overlapping_steps=overlapping_steps)
+        self.settings = settings
         self.ordered_loads = ordered_loads
         self.cuda = False
         self.layerwise = settings.load_mode is LoadMode.LAYERWISE
@@ -117,7 +119,22 @@ class KvbmConnectorWorker:
                 log.warning("kvbm: the KV cache's %d pages per block do not split over its %d layer tensors; "
                             "layer-pipelined loads wait for the whole load before the first layer",
                             self._pages_per_block, len(names_by_tensor))
-        self.core.set_region(spec)
+        self.core.set_region(spec, self._signal_page() if spec is not None and self.layerwise and cuda else None)
+
+    def _signal_page(self) -> EngineSignals | None:
+        """The signal page for GPU layer waits, when configured and the GPU supports them."""
+        if not self.settings.gpu_layer_waits:
+            log.info("kvbm: layer waits on the CPU (gpu_layer_waits is false)")
+            return None
+        import torch
+        signals = EngineSignals()
+        why = signals.enable_gpu(torch.cuda.current_device())
+        if why is not None:
+            signals.close()
+            log.warning("kvbm: layer waits on the CPU: %s", why)
+            return None
+        log.info("kvbm: layer waits on the GPU (stream memory operations on the signal page)")
+        return signals
 
     def start_loads(self, meta: KvbmConnectorMetadata) -> None:
         ready = self._earlier_steps_ran if self.cuda and self.ordered_loads else None

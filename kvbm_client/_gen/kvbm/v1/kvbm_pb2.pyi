@@ -417,7 +417,7 @@ class StatusResponse(_message.Message):
     def __init__(self, leader_id: _Optional[str] = ..., state: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierStatus, _Mapping]]] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., sessions: _Optional[int] = ..., pending_jobs: _Optional[int] = ..., counters: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class RegisterRegionRequest(_message.Message):
-    __slots__ = ("engine_id", "pid", "buffers", "layers", "page_bytes", "num_blocks", "dtype")
+    __slots__ = ("engine_id", "pid", "buffers", "layers", "page_bytes", "num_blocks", "dtype", "signals")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
@@ -425,6 +425,7 @@ class RegisterRegionRequest(_message.Message):
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SIGNALS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     pid: int
     buffers: _containers.RepeatedCompositeFieldContainer[RegionBuffer]
@@ -432,7 +433,8 @@ class RegisterRegionRequest(_message.Message):
     page_bytes: int
     num_blocks: int
     dtype: str
-    def __init__(self, engine_id: _Optional[str] = ..., pid: _Optional[int] = ..., buffers: _Optional[_Iterable[_Union[RegionBuffer, _Mapping]]] = ..., layers: _Optional[_Iterable[_Union[LayerPlacement, _Mapping]]] = ..., page_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    signals: RegionBuffer
+    def __init__(self, engine_id: _Optional[str] = ..., pid: _Optional[int] = ..., buffers: _Optional[_Iterable[_Union[RegionBuffer, _Mapping]]] = ..., layers: _Optional[_Iterable[_Union[LayerPlacement, _Mapping]]] = ..., page_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., signals: _Optional[_Union[RegionBuffer, _Mapping]] = ...) -> None: ...
 
 class RegisterRegionResponse(_message.Message):
     __slots__ = ("region_id",)
@@ -461,18 +463,22 @@ class UnregisterRegionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class TransferRequest(_message.Message):
-    __slots__ = ("region_id", "plan", "engine_blocks", "sent_at", "layer_groups")
+    __slots__ = ("region_id", "plan", "engine_blocks", "sent_at", "layer_groups", "signal_slot", "signal_base")
     REGION_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     ENGINE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SENT_AT_FIELD_NUMBER: _ClassVar[int]
     LAYER_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    SIGNAL_SLOT_FIELD_NUMBER: _ClassVar[int]
+    SIGNAL_BASE_FIELD_NUMBER: _ClassVar[int]
     region_id: str
     plan: SignedPlan
     engine_blocks: _containers.RepeatedScalarFieldContainer[int]
     sent_at: float
     layer_groups: int
-    def __init__(self, region_id: _Optional[str] = ..., plan: _Optional[_Union[SignedPlan, _Mapping]] = ..., engine_blocks: _Optional[_Iterable[int]] = ..., sent_at: _Optional[float] = ..., layer_groups: _Optional[int] = ...) -> None: ...
+    signal_slot: int
+    signal_base: int
+    def __init__(self, region_id: _Optional[str] = ..., plan: _Optional[_Union[SignedPlan, _Mapping]] = ..., engine_blocks: _Optional[_Iterable[int]] = ..., sent_at: _Optional[float] = ..., layer_groups: _Optional[int] = ..., signal_slot: _Optional[int] = ..., signal_base: _Optional[int] = ...) -> None: ...
 
 class TransferProgress(_message.Message):
     __slots__ = ("pages_landed", "pages_per_block", "done")

@@ -1,0 +1,21 @@
+"""What a copy medium returns for a copy it started (:class:`Pending`); :data:`DONE` for one
+that completed when it was issued (the CPU medium). Used by the mover and its media."""
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class Pending(Protocol):
+    """A copy a medium started; ``wait()`` returns once its bytes arrived."""
+
+    def wait(self) -> None: ...
+
+
+class Done:
+    """A copy that completed when it was issued (the CPU medium)."""
+
+    def wait(self) -> None:
+        pass
+
+
+DONE = Done()
