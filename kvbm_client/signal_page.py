@@ -81,10 +81,6 @@ class EngineSignals:
             return f"cuda-python is not installed ({exc})"
         try:
             ok = runtime.cudaError_t.cudaSuccess
-            err, can = driver.cuDeviceGetAttribute(
-                driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1, device)
-            if err != driver.CUresult.CUDA_SUCCESS or not can:
-                return f"device {device} has no stream memory operations ({getattr(err, 'name', err)}, {can})"
             addr = int(self.words.ctypes.data)
             flags = runtime.cudaHostRegisterMapped | runtime.cudaHostRegisterPortable
             err = runtime.cudaHostRegister(addr, SIGNAL_PAGE_BYTES, flags)[0]
@@ -97,7 +93,22 @@ class EngineSignals:
         except Exception as exc:  # noqa: BLE001 - a driver without these calls: CPU waits
             return f"{type(exc).__name__}: {exc}"
         self.device_ptr, self._driver = int(ptr), driver
+        try:  # NOTE: a probe, not CAN_USE_STREAM_MEM_OPS_V1 (0 on CUDA 12+, whose v2 operations always exist)
+            import torch
+            stream = torch.cuda.Stream(device)
+            self.wait(Signal(0, 0), 0, int(stream.cuda_stream))  # word 0 >= 0: passes at once
+            stream.synchronize()
+        except Exception as exc:  # noqa: BLE001
+            self.close_gpu()
+            return f"a stream wait on the signal page failed: {exc}"
         return None
+
+    def close_gpu(self) -> None:
+        """Undo :meth:`enable_gpu` (the page stays mapped; waits go back to the CPU)."""
+        if self.device_ptr is not None:
+            from cuda.bindings import runtime
+            runtime.cudaHostUnregister(int(self.words.ctypes.data))
+            self.device_ptr, self._driver = None, None
 
     @property
     def on_gpu(self) -> bool:
@@ -138,10 +149,7 @@ class EngineSignals:
             self._free.append(signal.slot)
 
     def close(self) -> None:
-        if self.device_ptr is not None:
-            from cuda.bindings import runtime
-            runtime.cudaHostUnregister(int(self.words.ctypes.data))
-            self.device_ptr = None
+        self.close_gpu()
         self.words = np.zeros(0, np.uint32)
         try:
             self._map.close()
