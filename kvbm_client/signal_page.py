@@ -6,10 +6,10 @@ words), maps it, registers it with CUDA and hands it to the worker daemon with i
 (:class:`SignalledRegion`; ``RegisterRegionRequest.signals``). A load takes a word
 (:meth:`EngineSignals.take`: a slot and a fresh ``base``) and names it in its
 ``TransferRequest``; the daemon writes ``base + pages landed`` there after each layer group's
-copies, on its copy stream. The forward of layer L then needs no CPU wait: the engine enqueues
-``cuStreamWaitValue32(word >= base + end of L's pages)`` on its own stream
-(:meth:`EngineSignals.wait`) and goes on launching kernels; the GPU runs layer L once its
-pages landed.
+copies, with a 4-byte DMA on its copy stream. The forward of layer L then needs no CPU wait:
+the engine enqueues a one-thread kernel that polls the word until ``base + end of L's pages``
+(:meth:`EngineSignals.wait`) on its own stream and goes on launching kernels; the GPU runs
+layer L once its pages landed.
 
 Invariants:
 * values only grow per word: a word's ``base`` is ``seq * SPAN`` with ``seq`` counting the
@@ -19,7 +19,8 @@ Invariants:
   its load) once the load's outcome is known and no copy of it can still land: the daemon
   answered, or it was stopped; never while a copy may still write the load's blocks. The
   forward that ran over a failed load's pages is discarded as before (the load counts as
-  failed, vLLM recomputes);
+  failed, vLLM recomputes). The wait kernel also gives up at the load's answer time (by which
+  an unanswered load counts as failed and its daemon was stopped), so no GPU wait outlives it;
 * a word is reused only after its load settled (:meth:`EngineSignals.give_back`).
 Everything CUDA is imported lazily (a CPU engine never enables GPU waits).
 """
@@ -71,59 +72,63 @@ class EngineSignals:
         self._lock = threading.Lock()
         self.device_ptr: int | None = None
         self._driver: Any = None
+        self._kernel: Any = None  # the wait kernel (CUfunction), once enable_gpu succeeded
 
     # ------------------------------------------------------------------ CUDA
     def enable_gpu(self, device: int) -> str | None:
-        """Register the page with CUDA on ``device`` for stream waits; returns why not (None: on)."""
+        """Register the page with CUDA on ``device`` and build the wait kernel; returns why
+        not (None: GPU waits on). Run on the engine's thread (its CUDA context is current)."""
         try:
             from cuda.bindings import driver, runtime
         except ImportError as exc:
             return f"cuda-python is not installed ({exc})"
+        addr = int(self.words.ctypes.data)
         try:
             ok = runtime.cudaError_t.cudaSuccess
-            addr = int(self.words.ctypes.data)
             flags = runtime.cudaHostRegisterMapped | runtime.cudaHostRegisterPortable
             err = runtime.cudaHostRegister(addr, SIGNAL_PAGE_BYTES, flags)[0]
             if err != ok:
                 return f"cudaHostRegister: {getattr(err, 'name', err)}"
+            self._driver = driver
             err, ptr = runtime.cudaHostGetDevicePointer(addr, 0)
             if err != ok:
-                runtime.cudaHostUnregister(addr)
-                return f"cudaHostGetDevicePointer: {getattr(err, 'name', err)}"
-        except Exception as exc:  # noqa: BLE001 - a driver without these calls: CPU waits
-            return f"{type(exc).__name__}: {exc}"
-        self.device_ptr, self._driver = int(ptr), driver
-        try:  # NOTE: a probe, not CAN_USE_STREAM_MEM_OPS_V1 (0 on CUDA 12+, whose v2 operations always exist)
+                raise RuntimeError(f"cudaHostGetDevicePointer: {getattr(err, 'name', err)}")
+            self.device_ptr = int(ptr)
+            self._kernel = _wait_kernel(driver, device)
             import torch
             stream = torch.cuda.Stream(device)
-            self.wait(Signal(0, 0), 0, int(stream.cuda_stream))  # word 0 >= 0: passes at once
+            self.wait(Signal(0, 0), 0, int(stream.cuda_stream), 1.0)  # word 0 >= 0: returns at once
             stream.synchronize()
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - no NVRTC, an old driver ...: the CPU waits
             self.close_gpu()
-            return f"a stream wait on the signal page failed: {exc}"
+            return f"{type(exc).__name__}: {exc}"
         return None
 
     def close_gpu(self) -> None:
         """Undo :meth:`enable_gpu` (the page stays mapped; waits go back to the CPU)."""
-        if self.device_ptr is not None:
+        if self._driver is not None:
             from cuda.bindings import runtime
             runtime.cudaHostUnregister(int(self.words.ctypes.data))
-            self.device_ptr, self._driver = None, None
+        self.device_ptr, self._driver, self._kernel = None, None, None
 
     @property
     def on_gpu(self) -> bool:
-        return self.device_ptr is not None
+        return self._kernel is not None
 
-    def wait(self, signal: Signal, end: int, stream: int) -> None:
+    def wait(self, signal: Signal, end: int, stream: int, seconds: float) -> None:
         """Enqueue on ``stream`` (a CUDA stream handle): wait until the word reaches
-        ``base + end`` (every block's pages ``[0, end)`` landed, or the word was released).
-        Raises RuntimeError when the driver refuses (the caller waits on the CPU instead)."""
+        ``base + end`` (every block's pages ``[0, end)`` landed, or the word was released), or
+        ``seconds`` passed since the wait began on the GPU (a safety net: the load's answer
+        time, by which an unanswered load counts as failed anyway). A one-thread kernel that
+        polls the word (host memory, mapped) every 2 us. Raises RuntimeError when the launch fails."""
+        import ctypes
         d = self._driver
-        assert d is not None and self.device_ptr is not None, "GPU waits are not enabled"
-        err = d.cuStreamWaitValue32(d.CUstream(stream), d.CUdeviceptr(self.device_ptr + 4 * signal.slot),
-                                    signal.base + end, d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)[0]
+        assert d is not None and self.device_ptr is not None and self._kernel is not None, "GPU waits are not enabled"
+        args = ((self.device_ptr + 4 * signal.slot, signal.base + end, max(0, int(seconds * 1e9))),
+                (ctypes.c_void_p, ctypes.c_uint, ctypes.c_ulonglong))
+        err = d.cuLaunchKernel(self._kernel, 1, 1, 1, 1, 1, 1, 0, d.CUstream(stream), args, 0)[0]
         if err != d.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"cuStreamWaitValue32: {getattr(err, 'name', err)}")
+            raise RuntimeError(f"cuLaunchKernel (layer wait): {getattr(err, 'name', err)}")
 
     # ------------------------------------------------------------------ words
     def take(self, pages_per_block: int) -> Signal | None:
@@ -181,3 +186,50 @@ class SignalledRegion:
         request.signals.CopyFrom(pb.RegionBuffer(fd_index=len(self.spec.fds), size_bytes=SIGNAL_PAGE_BYTES,
                                                  device=-1))
         return request
+
+
+#: NOTE: a kernel, not ``cuStreamWaitValue32``: stream memory operations hang the launching
+#: thread on drivers that do not enable them (CAN_USE_STREAM_MEM_OPS_V1 = 0, measured on an
+#: H200 VM, ``benchmarks/stream_wait_probe.py``); a one-thread kernel needs nothing of the driver.
+WAIT_KERNEL = r"""
+extern "C" __global__ void kvbm_wait_word(const volatile unsigned int* word, unsigned int target,
+                                         unsigned long long max_ns) {
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    while ((int)(*word - target) < 0) {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+        if (now - start > max_ns) break;
+        __nanosleep(2000);
+    }
+}
+"""
+
+
+def _wait_kernel(driver: Any, device: int) -> Any:
+    """Compile :data:`WAIT_KERNEL` with NVRTC for ``device`` and load it into the current context."""
+    from cuda.bindings import nvrtc
+    err, major = driver.cuDeviceGetAttribute(driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+                                             device)
+    err, minor = driver.cuDeviceGetAttribute(driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
+                                             device)
+    err, prog = nvrtc.nvrtcCreateProgram(WAIT_KERNEL.encode(), b"kvbm_wait.cu", 0, [], [])
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise RuntimeError(f"nvrtcCreateProgram: {err}")
+    opts = [f"--gpu-architecture=compute_{major}{minor}".encode()]
+    err, = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+        log_buf = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, log_buf)
+        raise RuntimeError(f"nvrtcCompileProgram: {log_buf.decode(errors='replace')}")
+    _, size = nvrtc.nvrtcGetPTXSize(prog)
+    ptx = b" " * size
+    nvrtc.nvrtcGetPTX(prog, ptx)
+    nvrtc.nvrtcDestroyProgram(prog)
+    err, module = driver.cuModuleLoadData(ptx)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuModuleLoadData: {getattr(err, 'name', err)}")
+    err, function = driver.cuModuleGetFunction(module, b"kvbm_wait_word")
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuModuleGetFunction: {getattr(err, 'name', err)}")
+    return function

@@ -166,7 +166,7 @@ class CudaEngineRegion(EngineRegion):
 
     def attach_signals(self, page: "SignalPage") -> None:
         """Register the page's mapping with CUDA, so the copy stream can write its words
-        (``cuStreamWriteValue32``) after a group's copies."""
+        (a 4-byte DMA) after a group's copies."""
         rt = cudart()
         check(rt.cudaSetDevice(self.device), "cudaSetDevice")
         flags = rt.cudaHostRegisterMapped | rt.cudaHostRegisterPortable

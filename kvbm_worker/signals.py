@@ -7,9 +7,9 @@ The engine hands over a sealed memfd of exactly :data:`~kvbm_client.contract.SIG
 (``RegisterRegionRequest.signals``): :data:`~kvbm_client.contract.SIGNAL_SLOTS` uint32 words it
 owns. A load that names a word (``TransferRequest.signal_slot``, ``signal_base``) has the lane
 write ``base + end`` there once every block's pages ``[0, end)`` landed, ordered after those
-copies (a GPU worker writes with a stream memory operation on the copy stream, see
-``handlers/cuda.py``; the CPU medium's copies are synchronous, so it stores the word after
-them). The engine's GPU waits for the word (``cuStreamWaitValue32``) instead of its CPU.
+copies (a GPU worker writes it with a 4-byte DMA on the copy stream, after the group's copies
+in stream order, see ``handlers/cuda_copier.py``; the CPU medium's copies are synchronous, so
+it stores the word after them). The engine's GPU waits for the word instead of its CPU.
 
 Invariants:
 * the worker writes only into a region's own page, only words ``0 <= slot < SIGNAL_SLOTS``,
@@ -43,6 +43,9 @@ Code = grpc.StatusCode
 
 #: a (slot, base) a load writes ``base + end`` to
 Target = tuple[int, int]
+#: words one load writes at most (calls that join it: the engine's, a retry; a bound on what
+#: a client can make the lane do)
+MAX_TARGETS = 4
 
 
 class SignalPage:
@@ -130,10 +133,15 @@ class JobSignals:
     _targets: list[Target] = field(default_factory=list)
     _taken: int = 0
 
-    def add(self, target: Target) -> None:
+    def add(self, target: Target) -> bool:
+        """Whether the lane will write ``target`` (at most :data:`MAX_TARGETS` per load: a word
+        beyond is left to the engine, which releases it at the load's outcome)."""
         with self._lock:
             if target not in self._targets:
+                if len(self._targets) >= MAX_TARGETS:
+                    return False
                 self._targets.append(target)
+            return True
 
     def take_new(self) -> list[Target]:
         """The targets added since the last call (lane thread)."""

@@ -39,6 +39,7 @@ Addrs = npt.NDArray[np.int64]
 STAGING_BYTES = 128 << 20  # per direction, on the GPU
 BATCH_MAX = 4096  # copies per cudaMemcpyBatchAsync call
 AUTO_DMA_MIN_BYTES = 256 << 10  # auto: runs at least this long on average go straight to DMA
+WORDS = 4096  # pinned sources of signal-word writes, reused in a ring
 
 
 class Direction(str, enum.Enum):
@@ -111,6 +112,8 @@ class CudaCopier:
         self._views: dict[str, GatherViews] = {}
         self._batch_ok: bool | None = None
         self.last_mechanism = ""
+        self._words: Any = None  # pinned sources of signal-word writes (write_word)
+        self._word_next = 0
         rt = cudart()
         self._attr = None
         if hasattr(rt, "cudaMemcpyBatchAsync"):
@@ -157,15 +160,21 @@ class CudaCopier:
         return event
 
     def write_word(self, direction: str, address: int, value: int) -> Any:
-        """Write the uint32 ``value`` at device-mapped ``address`` on ``direction``'s stream,
-        after every copy issued on it before (a stream memory operation: the write is preceded
-        by a system-wide memory fence); returns the CUDA event that marks it done."""
-        from cuda.bindings import driver
+        """Write the uint32 ``value`` at ``address`` (host memory registered with CUDA) on
+        ``direction``'s stream after every copy issued on it before: a 4-byte DMA from a pinned
+        word of :attr:`_words` (stream memory operations hang on some drivers, see
+        ``benchmarks/stream_wait_probe.py``). Returns the CUDA event that marks it done.
+        NOTE: the source words are a ring of WORDS entries; a job waits for its writes before it
+        ends and writes far fewer than WORDS (``signals.MAX_TARGETS`` x groups + catch-ups)."""
+        import torch
+        if self._words is None:
+            self._words = torch.zeros(WORDS, dtype=torch.int64, pin_memory=True)
+        i, self._word_next = self._word_next, (self._word_next + 1) % WORDS
+        self._words[i] = value
         stream = self.streams[Direction(direction)]
-        err = driver.cuStreamWriteValue32(driver.CUstream(stream.cuda_stream), driver.CUdeviceptr(address), value,
-                                          driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)[0]
-        if err != driver.CUresult.CUDA_SUCCESS:
-            raise CudaError(f"cuStreamWriteValue32: {getattr(err, 'name', err)}")
+        rt = cudart()
+        check(rt.cudaMemcpyAsync(address, self._words.data_ptr() + 8 * i, 4, rt.cudaMemcpyKind.cudaMemcpyDefault,
+                                 stream.cuda_stream), "cudaMemcpyAsync (signal word)")
         event = _event()
         event.record(stream)
         return event

@@ -139,9 +139,9 @@ def test_layerwise_load_worker_killed_mid_load(gpu_node):
 
 
 def test_a_gpu_layer_wait_holds_the_stream_until_its_word():
-    """The engine's side alone: a stream wait on a word of the signal page (host memory) holds
+    """The engine's side alone: the wait kernel on a word of the signal page (host memory) holds
     the kernels enqueued after it until the CPU (here; the daemon's copy stream in a load)
-    writes the word, and a smaller value does not release it."""
+    writes the word, a smaller value does not release it, and it gives up at its time limit."""
     import time
 
     from kvbm_client.signal_page import EngineSignals
@@ -154,7 +154,7 @@ def test_a_gpu_layer_wait_holds_the_stream_until_its_word():
     done = torch.cuda.Event()
     try:
         with torch.cuda.stream(stream):
-            signals.wait(signal, 5, stream.cuda_stream)
+            signals.wait(signal, 5, stream.cuda_stream, 30.0)
             y = x * 2
             done.record(stream)
         time.sleep(0.2)
@@ -168,6 +168,13 @@ def test_a_gpu_layer_wait_holds_the_stream_until_its_word():
             time.sleep(0.001)
         assert done.query(), "the wait was not released by its word"
         assert float(y[0]) == 2.0
+        with torch.cuda.stream(stream):  # nobody writes: the wait gives up after its 0.3 s
+            signals.wait(signal, 100, stream.cuda_stream, 0.3)
+            done.record(stream)
+        t0 = time.monotonic()
+        while not done.query() and time.monotonic() - t0 < 5:
+            time.sleep(0.001)
+        assert done.query() and time.monotonic() - t0 >= 0.25
     finally:
         signals.release(signal)  # never leave the GPU waiting
         torch.cuda.synchronize()
@@ -201,7 +208,7 @@ def test_a_layerwise_load_writes_its_word_after_the_copies_on_the_copy_stream(gp
     stream = torch.cuda.Stream()
     try:
         with torch.cuda.stream(stream):
-            signals.wait(signal, pages, stream.cuda_stream)
+            signals.wait(signal, pages, stream.cuda_stream, 30.0)
             seen = torch.stack([block_bytes(kv, "cross", d) for d in dst])  # read after the word only
         with LeaderSession(node.leader_address, timeout=5) as session:
             load = session.prepare_load(hs)

@@ -175,10 +175,11 @@ class RecordedWaits(EngineSignals):
 
     def __init__(self) -> None:
         super().__init__()
-        self.device_ptr = 1  # "registered"
+        self.device_ptr, self._kernel = 1, "registered"
         self.waits: list[tuple[int, int, int]] = []
 
-    def wait(self, signal, end, stream):
+    def wait(self, signal, end, stream, seconds):
+        assert 0 < seconds <= 30
         self.waits.append((signal.slot, signal.base + end, stream))
 
 
@@ -187,7 +188,8 @@ def gpu_call(s: Setup, e: SignalledEngine, signals: RecordedWaits, dst: list[int
     signal = signals.take(LAYERS)
     assert signal is not None
     r = request(s, e.region_id, dst, 2, signal.slot + 1, signal.base)
-    return LayerwiseCall(s.stub.TransferLayers(r, timeout=20), s.readers, GpuWait(signals, signal, settled, lambda: 77))
+    return LayerwiseCall(s.stub.TransferLayers(r, timeout=20), s.readers,
+                         GpuWait(signals, signal, settled, lambda: 77, time.monotonic() + 20))
 
 
 def test_the_engine_enqueues_its_layer_waits_and_releases_the_word_at_the_outcome(make_node):

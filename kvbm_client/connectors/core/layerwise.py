@@ -62,6 +62,7 @@ class GpuWait:
     signal: Signal
     failure_settled: Callable[[BaseException], bool]
     stream: Callable[[], int]
+    answer_by: float  # CLOCK_MONOTONIC: the GPU waits give up then (the load has failed by then)
 
 
 class LayerwiseCall:
@@ -164,7 +165,7 @@ class LayerwiseCall:
     def _wait_on_gpu(self, gpu: GpuWait, end: int) -> bool:
         """Enqueue the wait on the forward's stream; False (the CPU waits) if the driver refused."""
         try:
-            gpu.signals.wait(gpu.signal, end, gpu.stream())
+            gpu.signals.wait(gpu.signal, end, gpu.stream(), max(0.0, gpu.answer_by - time.monotonic()))
         except RuntimeError as exc:
             log.warning("kvbm: a layer wait on the GPU failed (%s); this load's layers wait on the CPU", exc)
             self.gpu = None

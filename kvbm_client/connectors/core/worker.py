@@ -157,7 +157,7 @@ class WorkerCore:
         signal = signals.take(self._pages_per_block) if signals is not None and signals.on_gpu else None
         if signals is None or signal is None:
             return None
-        return GpuWait(signals, signal, lambda exc: self._failure_settled(exc, due), _current_stream)
+        return GpuWait(signals, signal, lambda exc: self._failure_settled(exc, due), _current_stream, due)
 
     def _failure_settled(self, exc: BaseException, due: float) -> bool:
         """On a progress reader, for a failed layer-pipelined load: whether no copy of it can
