@@ -73,6 +73,10 @@ class EngineSignals:
         self.device_ptr: int | None = None
         self._driver: Any = None
         self._kernel: Any = None  # the wait kernel (CUfunction), once enable_gpu succeeded
+        #: NOTE: its PTX image and module, held as long as the function is used: with CUDA's lazy
+        #: loading the image is read at the first launch (a kernel whose image had been freed
+        #: misbehaved on the H200: waits passed at once or never saw their word)
+        self._module: Any = None
 
     # ------------------------------------------------------------------ CUDA
     def enable_gpu(self, device: int) -> str | None:
@@ -94,7 +98,8 @@ class EngineSignals:
             if err != ok:
                 raise RuntimeError(f"cudaHostGetDevicePointer: {getattr(err, 'name', err)}")
             self.device_ptr = int(ptr)
-            self._kernel = _wait_kernel(driver, device)
+            self._module = _wait_kernel(driver, device)
+            self._kernel = self._module[2]
             import torch
             stream = torch.cuda.Stream(device)
             self.wait(Signal(0, 0), 0, int(stream.cuda_stream), 1.0)  # word 0 >= 0: returns at once
@@ -109,7 +114,7 @@ class EngineSignals:
         if self._driver is not None:
             from cuda.bindings import runtime
             runtime.cudaHostUnregister(int(self.words.ctypes.data))
-        self.device_ptr, self._driver, self._kernel = None, None, None
+        self.device_ptr, self._driver, self._kernel, self._module = None, None, None, None
 
     @property
     def on_gpu(self) -> bool:
@@ -125,7 +130,7 @@ class EngineSignals:
         d = self._driver
         assert d is not None and self.device_ptr is not None and self._kernel is not None, "GPU waits are not enabled"
         args = ((self.device_ptr + 4 * signal.slot, signal.base + end, max(0, int(seconds * 1e9))),
-                (ctypes.c_void_p, ctypes.c_uint, ctypes.c_ulonglong))
+                (ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_ulonglong))
         err = d.cuLaunchKernel(self._kernel, 1, 1, 1, 1, 1, 1, 0, d.CUstream(stream), args, 0)[0]
         if err != d.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"cuLaunchKernel (layer wait): {getattr(err, 'name', err)}")
@@ -191,22 +196,33 @@ class SignalledRegion:
 #: NOTE: a kernel, not ``cuStreamWaitValue32``: stream memory operations hang the launching
 #: thread on drivers that do not enable them (CAN_USE_STREAM_MEM_OPS_V1 = 0, measured on an
 #: H200 VM, ``benchmarks/stream_wait_probe.py``); a one-thread kernel needs nothing of the driver.
+#: Its load is ``ld.global.cv`` ("consider cached system memory lines stale, fetch again"):
+#: volatile and ``ld.acquire.sys`` loads of the mapped host word read stale values there (a
+#: wait passed on a value an earlier process had left at that address, another never saw
+#: the CPU's store for 30 s; 2026-11-26, ``benchmarks/wait_kernel_probe.py``).
 WAIT_KERNEL = r"""
-extern "C" __global__ void kvbm_wait_word(const volatile unsigned int* word, unsigned int target,
+extern "C" __global__ void kvbm_wait_word(const unsigned int* word, unsigned long long target64,
                                          unsigned long long max_ns) {
-    unsigned long long start, now;
+    unsigned int target = (unsigned int)target64;
+    unsigned long long start, now, slept = 0;
+    unsigned int value;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-    while ((int)(*word - target) < 0) {
+    while (true) {
+        asm volatile("ld.global.cv.u32 %0, [%1];" : "=r"(value) : "l"(word) : "memory");
+        if ((int)(value - target) >= 0) break;
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-        if (now - start > max_ns) break;
+        // gives up only when both clocks say so: the timer, and the sleeps asked for
+        if (now - start > max_ns && slept > max_ns) break;
         __nanosleep(2000);
+        slept += 2000;
     }
 }
 """
 
 
-def _wait_kernel(driver: Any, device: int) -> Any:
-    """Compile :data:`WAIT_KERNEL` with NVRTC for ``device`` and load it into the current context."""
+def _wait_kernel(driver: Any, device: int) -> tuple[bytes, Any, Any]:
+    """Compile :data:`WAIT_KERNEL` with NVRTC for ``device`` and load it into the current
+    context: (the PTX image, the module, its function); keep all three."""
     from cuda.bindings import nvrtc
     err, major = driver.cuDeviceGetAttribute(driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
                                              device)
@@ -232,4 +248,4 @@ def _wait_kernel(driver: Any, device: int) -> Any:
     err, function = driver.cuModuleGetFunction(module, b"kvbm_wait_word")
     if err != driver.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cuModuleGetFunction: {getattr(err, 'name', err)}")
-    return function
+    return ptx, module, function

@@ -230,8 +230,8 @@ class BlockMover:
                     issued.append(self._from_slots(region, b, host.slots, s, pages, mark is not None))
                 in_flight.append((issued[-1], s, pages, last, began, time.perf_counter(), nbytes))
                 issued.extend(words.group_issued(pages[1]) if last and pages is not None else words.catch_up())
-                # a synchronous medium's piece is there already; else keep ``depth`` queued
-                while in_flight and (len(in_flight) > depth or in_flight[-1][0] is DONE):
+                # settle what landed (a synchronous medium's piece at once); keep at most ``depth`` queued
+                while in_flight and (len(in_flight) > depth or in_flight[0][0].landed()):
                     settle(*in_flight.popleft())
             while in_flight:
                 settle(*in_flight.popleft())

@@ -6,9 +6,12 @@ from typing import Protocol
 
 
 class Pending(Protocol):
-    """A copy a medium started; ``wait()`` returns once its bytes arrived."""
+    """A copy a medium started; ``wait()`` returns once its bytes arrived; ``landed()`` says
+    whether they did, without waiting."""
 
     def wait(self) -> None: ...
+
+    def landed(self) -> bool: ...
 
 
 class Done:
@@ -16,6 +19,9 @@ class Done:
 
     def wait(self) -> None:
         pass
+
+    def landed(self) -> bool:
+        return True
 
 
 DONE = Done()

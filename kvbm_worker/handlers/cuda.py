@@ -71,6 +71,9 @@ class _Event:
     def wait(self) -> None:
         self.event.synchronize()
 
+    def landed(self) -> bool:
+        return bool(self.event.query())
+
 
 class CudaMover(BlockMover):
     """The GPU worker's copy executor: pins G2 and the bounce buffers, copies CUDA regions'

@@ -200,26 +200,32 @@ class Deferred(BlockMover):
     """The CPU medium with an asynchronous face: a load's copy happens at issue, but it counts as
     landed only when waited for; ``log`` records the order of issues and waits."""
 
-    def __init__(self, *args, **kw) -> None:
+    def __init__(self, *args, landed_after: int | None = None, **kw) -> None:
         super().__init__(*args, **kw)
         self.log: list[str] = []
+        self.landed_after = landed_after  # a piece says it landed once this many later ones were issued
 
     def _from_slots(self, region, blocks, rows, picks, pages=None, timed=False):
         super()._from_slots(region, blocks, rows, picks, pages)
         n = sum(e == "issue" for e in self.log)
         self.log.append("issue")
-        log = self.log
+        log, after = self.log, self.landed_after
 
         class Copy:
             def wait(self) -> None:
                 log.append(f"wait {n}")
+
+            def landed(self) -> bool:
+                return after is not None and log.count("issue") > n + after
         return Copy()
 
 
-def grouped_load(r: Rig, pacing: GroupPacing, until: float = FAR, clock=None) -> tuple[Deferred, list[int]]:
+def grouped_load(r: Rig, pacing: GroupPacing, until: float = FAR, clock=None, landed_after: int | None = None
+                 ) -> tuple[Deferred, list[int]]:
     """A 4-block load from G2 in groups [1, 3] on a :class:`Deferred` mover with ``pacing``."""
     r.run(PlanKind.STORE, Tier.HOST, slots=[0, 1, 2, 3], blocks=[4, 5, 6, 7])
-    mover = Deferred(r.host, None, None, pacing=pacing, **({"clock": clock} if clock else {}))
+    mover = Deferred(r.host, None, None, pacing=pacing, landed_after=landed_after,
+                     **({"clock": clock} if clock else {}))
     ids = lambda v: np.asarray(v, np.int64)  # noqa: E731
     batch = Batch(PlanKind.LOAD, JobKey("L", 1, JobId(3)), FAR, ids([Tier.HOST] * 4), ids([0, 1, 2, 3]),
                   ids([10, 11, 12, 13]))
@@ -271,6 +277,14 @@ def test_a_grouped_load_queues_as_many_pieces_ahead_as_its_pacing_says(rig, ahea
     assert mover.log.index("wait 0") == first_wait_after, mover.log  # 8 pieces (see above); 0: all issued first
     assert mover.log.count("issue") == 8 and landed == [1, 3]
     assert [r.page(b).tobytes() for b in (10, 11, 12, 13)] == before
+
+
+def test_a_piece_that_landed_is_settled_at_the_next_issue_not_when_the_queue_is_full(rig):
+    """The lane reports a group as soon as it sees its last piece landed (a non-blocking check
+    after each issue), not only once ``ahead`` more pieces were queued behind it."""
+    mover, landed = grouped_load(rig(), GroupPacing(piece_bytes=2 * PAGE, ahead=3), landed_after=0)
+    assert mover.log[:4] == ["issue", "wait 0", "issue", "wait 1"], mover.log
+    assert landed == [1, 3] and mover.log.count("issue") == 8
 
 
 def test_pieces_queued_ahead_must_land_before_the_deadline_at_the_floor_pace(rig):

@@ -180,6 +180,9 @@ def _delay_groups(cls: Any, seconds: float, bytes_late: bool) -> None:
             time.sleep(seconds)
             self.inner.wait()
 
+        def landed(self) -> bool:
+            return False
+
     def late_groups(self: Any, region: Any, blocks: Any, rows: Any, picks: Any, pages: Any = None,
                     timed: bool = False) -> Any:
         if pages is None or pages[0] == 0:
