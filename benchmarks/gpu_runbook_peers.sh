@@ -23,7 +23,7 @@
 #   gputests  tests/gpu/test_daemon_gpu.py (CUDA IPC loads, the signal page's GPU waits and stream writes)
 #   waits20   20K, eager, 2 passes: LMCache, kvbm layerwise (GPU layer waits, the default), kvbm
 #             layerwise with its layer waits on the CPU (gpu_layer_waits false: before 2026-11-26 sixth session)
-#   waits8    the same on 8K: native, LMCache, Dynamo, kvbm layerwise, kvbm layerwise with CPU waits
+#   waits8    the same on 8K: LMCache, Dynamo, kvbm layerwise, kvbm layerwise with CPU waits
 #   greedyg   max_tokens=8 outputs, kvbm layerwise against vLLM alone, CUDA graphs
 # Earlier sessions' runs (other steps, other systems) are recorded in their result files' argv.
 . benchmarks/gpu_runbook_env.sh  # set -u, $R, step, A20, G8
@@ -39,7 +39,7 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
     waits20) KVBM_CONNECTOR_TRACE=$R/t20k_waits.jsonl $T "$R/ttft20k_waits.jsonl" \
                lmcache,ours_layerwise,ours_layerwise_cpuwait $A20 $H --timeout 300 --passes 2 >"$R/waits20.log" 2>&1 ;;
     waits8) KVBM_CONNECTOR_TRACE=$R/t8k_waits.jsonl $T "$R/ttft8k_waits.jsonl" \
-               native,lmcache,dynamo,ours_layerwise,ours_layerwise_cpuwait $H --timeout 300 --passes 2 >"$R/waits8.log" 2>&1 ;;
+               lmcache,dynamo,ours_layerwise,ours_layerwise_cpuwait $H --timeout 300 --passes 2 >"$R/waits8.log" 2>&1 ;;
     greedyg) $T "$R/greedy8_layerwise_graphs.jsonl" baseline,ours_layerwise $G8 --cuda-graphs --timeout 600 \
                >"$R/greedyg.log" 2>&1 ;;
     copy) python3 benchmarks/g2_copy_path.py --json "$R/g2_copy_path.json" >"$R/copy.log" 2>&1 ;;
