@@ -102,7 +102,9 @@ def system_kwargs(name, g2_gb, pass_index=0):
             # without the blocks of the one before, like the peers' in-process caches
             extra = kw["kv_transfer_config"].setdefault("kv_connector_extra_config", {})
             extra["namespace"] = f"{extra.get('namespace') or name}_pass{pass_index}"
-        env.update(DYN_KVBM_CPU_CACHE_GB=str(g2_gb))
+        # GPU layer waits need eager module loading (kvbm_client/signal_page.py); set for every kvbm
+        # variant alike (it changes engine start-up only)
+        env.update(DYN_KVBM_CPU_CACHE_GB=str(g2_gb), CUDA_MODULE_LOADING="EAGER")
     else:
         raise SystemExit(f"unknown system {name}")
     return kw, env

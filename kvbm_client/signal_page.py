@@ -77,6 +77,7 @@ class EngineSignals:
         #: loading the image is read at the first launch (a kernel whose image had been freed
         #: misbehaved on the H200: waits passed at once or never saw their word)
         self._module: Any = None
+        self._seen: Any = None
 
     # ------------------------------------------------------------------ CUDA
     def enable_gpu(self, device: int) -> str | None:
@@ -87,6 +88,10 @@ class EngineSignals:
         except ImportError as exc:
             return f"cuda-python is not installed ({exc})"
         addr = int(self.words.ctypes.data)
+        err, mode = driver.cuModuleGetLoadingMode()
+        if err != driver.CUresult.CUDA_SUCCESS or mode != driver.CUmoduleLoadingMode.CU_MODULE_EAGER_LOADING:
+            return ("CUDA loads kernels lazily; set CUDA_MODULE_LOADING=EAGER for GPU layer waits (a kernel "
+                    "loaded while a wait spins broke the stream's order, measured on an H200)")
         try:
             ok = runtime.cudaError_t.cudaSuccess
             flags = runtime.cudaHostRegisterMapped | runtime.cudaHostRegisterPortable
@@ -101,6 +106,8 @@ class EngineSignals:
             self._module = _wait_kernel(driver, device)
             self._kernel = self._module[2]
             import torch
+            #: per word: the last value its wait kernel read, and for how long it waited (ns)
+            self._seen = torch.zeros(2 * SIGNAL_SLOTS, dtype=torch.int64, device=f"cuda:{device}")
             stream = torch.cuda.Stream(device)
             self.wait(Signal(0, 0), 0, int(stream.cuda_stream), 1.0)  # word 0 >= 0: returns at once
             stream.synchronize()
@@ -129,8 +136,9 @@ class EngineSignals:
         import ctypes
         d = self._driver
         assert d is not None and self.device_ptr is not None and self._kernel is not None, "GPU waits are not enabled"
-        args = ((self.device_ptr + 4 * signal.slot, signal.base + end, max(0, int(seconds * 1e9))),
-                (ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_ulonglong))
+        args = ((self.device_ptr + 4 * signal.slot, signal.base + end, max(0, int(seconds * 1e9)),
+                 self._seen.data_ptr() + 16 * signal.slot),
+                (ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_ulonglong, ctypes.c_void_p))
         err = d.cuLaunchKernel(self._kernel, 1, 1, 1, 1, 1, 1, 0, d.CUstream(stream), args, 0)[0]
         if err != d.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"cuLaunchKernel (layer wait): {getattr(err, 'name', err)}")
@@ -196,19 +204,22 @@ class SignalledRegion:
 #: NOTE: a kernel, not ``cuStreamWaitValue32``: stream memory operations hang the launching
 #: thread on drivers that do not enable them (CAN_USE_STREAM_MEM_OPS_V1 = 0, measured on an
 #: H200 VM, ``benchmarks/stream_wait_probe.py``); a one-thread kernel needs nothing of the driver.
-#: Its load is ``ld.global.cv`` ("consider cached system memory lines stale, fetch again"):
-#: volatile and ``ld.acquire.sys`` loads of the mapped host word read stale values there (a
-#: wait passed on a value an earlier process had left at that address, another never saw
-#: the CPU's store for 30 s; 2026-11-26, ``benchmarks/wait_kernel_probe.py``).
+#: NOTE: GPU waits need eager module loading (``CUDA_MODULE_LOADING=EAGER``, checked by
+#: :meth:`EngineSignals.enable_gpu`): under lazy loading, a kernel launched after the wait whose
+#: module was not loaded yet ran before the wait was over (the stream's order broken), and the
+#: wait never saw its word; with eager loading, or without such a kernel, every wait held its
+#: stream and was released 0.03-0.7 ms after the store (H200, 2026-11-26,
+#: ``benchmarks/wait_kernel_probe.py``). The kernel reads with ``ld.global.cv`` (fetch again,
+#: never a cached line) and records what it read (``_seen``: a diagnostic).
 WAIT_KERNEL = r"""
 extern "C" __global__ void kvbm_wait_word(const unsigned int* word, unsigned long long target64,
-                                         unsigned long long max_ns) {
-    unsigned int target = (unsigned int)target64;
-    unsigned long long start, now, slept = 0;
-    unsigned int value;
+                                         unsigned long long max_ns, unsigned long long* seen) {
+    unsigned int target = (unsigned int)target64, value = 0;
+    unsigned long long start, now = 0, slept = 0;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
     while (true) {
         asm volatile("ld.global.cv.u32 %0, [%1];" : "=r"(value) : "l"(word) : "memory");
+        *seen = value;  // (a store in the loop: without one the loop did not poll, see above)
         if ((int)(value - target) >= 0) break;
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
         // gives up only when both clocks say so: the timer, and the sleeps asked for
@@ -216,6 +227,7 @@ extern "C" __global__ void kvbm_wait_word(const unsigned int* word, unsigned lon
         __nanosleep(2000);
         slept += 2000;
     }
+    seen[1] = now - start;
 }
 """
 

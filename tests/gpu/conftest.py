@@ -2,6 +2,11 @@
 module skips cleanly elsewhere. Daemons run as child processes on real unix sockets."""
 from __future__ import annotations
 
+import os
+
+# GPU layer waits need eager module loading (kvbm_client/signal_page.py); set before CUDA starts
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
