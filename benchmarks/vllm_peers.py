@@ -102,9 +102,11 @@ def system_kwargs(name, g2_gb, pass_index=0):
             # without the blocks of the one before, like the peers' in-process caches
             extra = kw["kv_transfer_config"].setdefault("kv_connector_extra_config", {})
             extra["namespace"] = f"{extra.get('namespace') or name}_pass{pass_index}"
-        # GPU layer waits need eager module loading (kvbm_client/signal_page.py); set for every kvbm
-        # variant alike (it changes engine start-up only)
-        env.update(DYN_KVBM_CPU_CACHE_GB=str(g2_gb), CUDA_MODULE_LOADING="EAGER")
+        env.update(DYN_KVBM_CPU_CACHE_GB=str(g2_gb))
+        # GPU layer waits need eager module loading (kvbm_client/signal_page.py): KVBM_EAGER=1 starts
+        # kvbm's engines so. NOTE: vLLM 0.26 then did not start within 300 s on the H200 (2026-11-26)
+        if os.environ.get("KVBM_EAGER") == "1":
+            env.update(CUDA_MODULE_LOADING="EAGER")
     else:
         raise SystemExit(f"unknown system {name}")
     return kw, env
