@@ -21,8 +21,9 @@
 #   graphs8   8K, CUDA graphs: LMCache, kvbm layerwise; 2 passes
 #   copy      g2_copy_path.py per kind of G2 memory (2026-11-25 third session)
 #   gputests  tests/gpu/test_daemon_gpu.py (CUDA IPC loads, the signal page's GPU waits and stream writes)
-#   waits20   20K, eager, 2 passes: LMCache, kvbm layerwise (GPU layer waits, the default), kvbm
-#             layerwise with its layer waits on the CPU (gpu_layer_waits false: before 2026-11-26 sixth session)
+#   waits20   20K, eager, 2 passes: LMCache, kvbm layerwise (GPU layer waits where CUDA loads kernels
+#             eagerly: run with KVBM_EAGER=1), kvbm layerwise with its layer waits on the CPU
+#             (gpu_layer_waits false). NOTE: with KVBM_EAGER=1 vLLM 0.26 did not start in 300 s (H200)
 #   waits8    the same on 8K: LMCache, Dynamo, kvbm layerwise, kvbm layerwise with CPU waits
 #   greedyg   max_tokens=8 outputs, kvbm layerwise against vLLM alone, CUDA graphs
 # Earlier sessions' runs (other steps, other systems) are recorded in their result files' argv.

@@ -73,9 +73,7 @@ class EngineSignals:
         self.device_ptr: int | None = None
         self._driver: Any = None
         self._kernel: Any = None  # the wait kernel (CUfunction), once enable_gpu succeeded
-        #: NOTE: its PTX image and module, held as long as the function is used: with CUDA's lazy
-        #: loading the image is read at the first launch (a kernel whose image had been freed
-        #: misbehaved on the H200: waits passed at once or never saw their word)
+        #: its PTX image and module, held as long as the function is used
         self._module: Any = None
         self._seen: Any = None
 

@@ -65,9 +65,10 @@ class ConnectorSettings:
     prefill_tokens_per_s: float = 0.0
     #: ``load_mode`` layerwise: the groups of layers a load is copied in (2..64)
     layer_groups: int = DEFAULT_LAYER_GROUPS
-    #: ``load_mode`` layerwise on a GPU: the forward's layer waits go on the GPU (stream memory
-    #: operations on the engine's signal page, :mod:`kvbm_client.signal_page`), so the engine's
-    #: CPU enqueues the whole forward while the copy runs; false: the CPU waits per layer
+    #: ``load_mode`` layerwise on a GPU: the forward's layer waits go on the GPU (a wait kernel on
+    #: the engine's signal page, :mod:`kvbm_client.signal_page`; only where CUDA loads kernels
+    #: eagerly), so the engine's CPU enqueues the whole forward while the copy runs; false: the
+    #: CPU waits per layer
     gpu_layer_waits: bool = True
 
     def __post_init__(self) -> None:

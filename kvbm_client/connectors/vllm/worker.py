@@ -131,9 +131,9 @@ class KvbmConnectorWorker:
         why = signals.enable_gpu(torch.cuda.current_device())
         if why is not None:
             signals.close()
-            log.warning("kvbm: layer waits on the CPU: %s", why)
+            log.info("kvbm: layer waits on the CPU: %s", why)  # (the default: CUDA loads kernels lazily)
             return None
-        log.info("kvbm: layer waits on the GPU (stream memory operations on the signal page)")
+        log.info("kvbm: layer waits on the GPU (a wait kernel on the signal page)")
         return signals
 
     def start_loads(self, meta: KvbmConnectorMetadata) -> None:
