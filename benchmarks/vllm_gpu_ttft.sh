@@ -27,6 +27,8 @@
 # DYN_LOG alone (debug: one line per job, with a layer-grouped load's group times on the lane and
 # on the daemon's event loop, in $KVBM_LOGDIR/worker.log).
 # KVBM_LOGDIR: daemon logs and each engine's stderr (default /tmp/kvbm-logs).
+# KVBM_EAGER=1: kvbm's engines start with CUDA_MODULE_LOADING=EAGER, which GPU layer waits need
+# (kvbm_client/signal_page.py); vLLM 0.26 then did not start within 300 s on an H200 (2026-11-26).
 set -u
 out=$1; systems=$2; shift 2
 export PYTHONPATH=/tmp/site:$PWD/.site:$PWD HF_HUB_OFFLINE=1 VLLM_CACHE_ROOT=/tmp/vc PYTHONUNBUFFERED=1

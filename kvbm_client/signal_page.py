@@ -86,7 +86,10 @@ class EngineSignals:
         except ImportError as exc:
             return f"cuda-python is not installed ({exc})"
         addr = int(self.words.ctypes.data)
-        err, mode = driver.cuModuleGetLoadingMode()
+        try:
+            err, mode = driver.cuModuleGetLoadingMode()
+        except Exception as exc:  # noqa: BLE001 - a cuda-python without it: the CPU waits
+            return f"cuModuleGetLoadingMode: {type(exc).__name__}: {exc}"
         if err != driver.CUresult.CUDA_SUCCESS or mode != driver.CUmoduleLoadingMode.CU_MODULE_EAGER_LOADING:
             return ("CUDA loads kernels lazily; set CUDA_MODULE_LOADING=EAGER for GPU layer waits (a kernel "
                     "loaded while a wait spins broke the stream's order, measured on an H200)")

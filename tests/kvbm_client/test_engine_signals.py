@@ -100,3 +100,22 @@ def test_a_daemons_own_failure_releases_at_once_an_unanswered_one_after_the_daem
     stuck = Daemon(held=True, killable=False)
     assert not core(stuck)._failure_settled(Err(grpc.StatusCode.UNAVAILABLE), later)  # still there: not released
     assert not core(Daemon(held=False))._failure_settled(RuntimeError("stream broke"), later)  # cannot stop it here
+
+
+def test_without_a_gpu_enabling_gpu_waits_says_why_and_leaves_the_cpu_waits():
+    """On a machine without CUDA (CI), or with lazy module loading, ``enable_gpu`` never raises:
+    it returns the reason, and the page hands out no GPU waits."""
+    import pytest
+    try:
+        import torch
+        if torch.cuda.is_available():
+            pytest.skip("a GPU machine: tests/gpu covers enable_gpu")
+    except ImportError:
+        pass
+    signals = EngineSignals()
+    try:
+        why = signals.enable_gpu(0)
+        assert isinstance(why, str) and why
+        assert not signals.on_gpu and signals.device_ptr is None
+    finally:
+        signals.close()
