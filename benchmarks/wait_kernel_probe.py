@@ -32,8 +32,7 @@ if why is not None and "EAGER" in why:  # force them on under lazy loading, to s
     addr = int(signals.words.ctypes.data)
     runtime.cudaHostRegister(addr, 4096, runtime.cudaHostRegisterMapped | runtime.cudaHostRegisterPortable)
     signals.device_ptr, signals._driver = int(runtime.cudaHostGetDevicePointer(addr, 0)[1]), driver
-    signals._module = _wait_kernel(driver, 0)
-    signals._kernel = signals._module[2]
+    signals._image, signals._module, signals._kernel = _wait_kernel(driver, 0)
     signals._seen = torch.zeros(2 * 1024, dtype=torch.int64, device="cuda")
 elif why is not None:
     raise SystemExit(why)

@@ -72,9 +72,12 @@ class EngineSignals:
         self._lock = threading.Lock()
         self.device_ptr: int | None = None
         self._driver: Any = None
-        self._kernel: Any = None  # the wait kernel (CUfunction), once enable_gpu succeeded
-        #: its PTX image and module, held as long as the function is used
+        #: the wait kernel (CUfunction) once enable_gpu succeeded, with its PTX image and module
+        #: (held as long as the function is used) and, per word, what it read last and how long
+        #: it waited (``_seen``, a diagnostic on the device)
+        self._image: bytes | None = None
         self._module: Any = None
+        self._kernel: Any = None
         self._seen: Any = None
 
     # ------------------------------------------------------------------ CUDA
@@ -104,10 +107,8 @@ class EngineSignals:
             if err != ok:
                 raise RuntimeError(f"cudaHostGetDevicePointer: {getattr(err, 'name', err)}")
             self.device_ptr = int(ptr)
-            self._module = _wait_kernel(driver, device)
-            self._kernel = self._module[2]
+            self._image, self._module, self._kernel = _wait_kernel(driver, device)
             import torch
-            #: per word: the last value its wait kernel read, and for how long it waited (ns)
             self._seen = torch.zeros(2 * SIGNAL_SLOTS, dtype=torch.int64, device=f"cuda:{device}")
             stream = torch.cuda.Stream(device)
             self.wait(Signal(0, 0), 0, int(stream.cuda_stream), 1.0)  # word 0 >= 0: returns at once
@@ -122,7 +123,8 @@ class EngineSignals:
         if self._driver is not None:
             from cuda.bindings import runtime
             runtime.cudaHostUnregister(int(self.words.ctypes.data))
-        self.device_ptr, self._driver, self._kernel, self._module = None, None, None, None
+        self.device_ptr, self._driver = None, None
+        self._image, self._module, self._kernel, self._seen = None, None, None, None
 
     @property
     def on_gpu(self) -> bool:

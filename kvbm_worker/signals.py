@@ -133,15 +133,12 @@ class JobSignals:
     _targets: list[Target] = field(default_factory=list)
     _taken: int = 0
 
-    def add(self, target: Target) -> bool:
-        """Whether the lane will write ``target`` (at most :data:`MAX_TARGETS` per load: a word
+    def add(self, target: Target) -> None:
+        """The lane writes ``target`` from now on (at most :data:`MAX_TARGETS` per load: a word
         beyond is left to the engine, which releases it at the load's outcome)."""
         with self._lock:
-            if target not in self._targets:
-                if len(self._targets) >= MAX_TARGETS:
-                    return False
+            if target not in self._targets and len(self._targets) < MAX_TARGETS:
                 self._targets.append(target)
-            return True
 
     def take_new(self) -> list[Target]:
         """The targets added since the last call (lane thread)."""

@@ -67,7 +67,7 @@ class Err(grpc.RpcError):
 
 class Daemon:
     def __init__(self, held: bool, gone: bool = False, killable: bool = True) -> None:
-        self.held, self._gone, self.killable, self.kills = held, gone, killable, 0
+        self.held, self._gone, self.killable, self.kills, self.pid = held, gone, killable, 0, 4242
 
     def gone(self):
         return self._gone

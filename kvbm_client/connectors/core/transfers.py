@@ -72,12 +72,18 @@ class InFlight:
         return self.future is None or self.future.done()
 
     def unanswered(self, exc: BaseException) -> bool:
-        """The call failed without the daemon's word on the copy: our own deadline passed
-        (it completed at ``answer_by`` or later), the connection broke, or it was cancelled."""
-        code = exc.code() if isinstance(exc, grpc.RpcError) else None
-        if code is None or code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-            return True
-        return code == grpc.StatusCode.DEADLINE_EXCEEDED and (self.completed or time.monotonic()) >= self.answer_by
+        """Whether the call failed without the daemon's word on the copy (:func:`unanswered`)."""
+        return unanswered(exc, self.answer_by, self.completed or time.monotonic())
+
+
+def unanswered(exc: BaseException, answer_by: float, completed: float) -> bool:
+    """A call that failed with ``exc`` at ``completed`` (CLOCK_MONOTONIC) has no word of the
+    daemon on its copy: our own deadline passed (it ended at ``answer_by`` or later), the
+    connection broke, or it was cancelled. Else the status is the daemon's own answer."""
+    code = exc.code() if isinstance(exc, grpc.RpcError) else None
+    if code is None or code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+        return True
+    return code == grpc.StatusCode.DEADLINE_EXCEEDED and completed >= answer_by
 
 
 #: ``on_load_done(req_id, item, answer, mode)``: a load settled (``answer`` None when it failed).

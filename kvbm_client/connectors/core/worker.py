@@ -45,7 +45,7 @@ from .region_link import RegionLink
 from .settings import ConnectorSettings
 from .specs import LoadSpec, RequestId, StoreSpec
 from .tracing import trace, tracing
-from .transfers import InFlight, TransferFuture, TransferTracker
+from .transfers import InFlight, TransferFuture, TransferTracker, unanswered
 
 log = logging.getLogger("kvbm.connector")
 
@@ -163,29 +163,29 @@ class WorkerCore:
         """On a progress reader, for a failed layer-pipelined load: whether no copy of it can
         still land, stopping the daemon first when it did not answer (as :meth:`_stop_daemon`
         does on the engine's thread, which settles the load when this returns False)."""
-        code = exc.code() if isinstance(exc, grpc.RpcError) else None
-        unanswered = code is None or code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) or (
-            code == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() >= due)
-        if not unanswered:
+        if not unanswered(exc, due, time.monotonic()):
             return True  # the daemon's own status: it answers after its copies stopped
-        if not self.daemon.held:
-            return False
-        return self.daemon.gone() or self.daemon.kill(KILL_WAIT_S)
+        return self._held_daemon_gone()
 
     def _stop_daemon(self, item: InFlight) -> None:
         """A load got no answer by its deadline plus the margin: the daemon is stopped, frozen
         or gone, and a copy it resumes could land in the load's blocks after the engine gave
         them to another request. Return only once that cannot happen: the daemon's process
         is gone (killed if need be), or, without a process to hold, it answered again."""
-        if self.daemon.held:
-            if self.daemon.gone():
-                return
-            log.error("kvbm worker %s (pid %d) did not answer a load by its deadline; killing it, so that no late "
-                      "copy lands in blocks the engine reuses (its supervisor restarts it)", self.worker_id,
-                      self.daemon.pid)
-            if self.daemon.kill(KILL_WAIT_S):
-                return
-        self._wait_for_answer(item)
+        if not self._held_daemon_gone():
+            self._wait_for_answer(item)
+
+    def _held_daemon_gone(self) -> bool:
+        """Whether the daemon's process we hold is gone, killed now if need be (False: no process
+        is held, or it survived the kill)."""
+        if not self.daemon.held:
+            return False
+        if self.daemon.gone():
+            return True
+        log.error("kvbm worker %s (pid %d) did not answer a load by its deadline; killing it, so that no late "
+                  "copy lands in blocks the engine reuses (its supervisor restarts it)", self.worker_id,
+                  self.daemon.pid)
+        return self.daemon.kill(KILL_WAIT_S)
 
     def _wait_for_answer(self, item: InFlight) -> None:
         """No process to stop (a TCP address): ask again until the daemon answers (a second
