@@ -20,7 +20,12 @@
 #   eager8    8K (the harness's defaults), eager: native, LMCache, Dynamo, kvbm layerwise; 2 passes
 #   graphs8   8K, CUDA graphs: LMCache, kvbm layerwise; 2 passes
 #   copy      g2_copy_path.py per kind of G2 memory (2026-11-25 third session)
-#   gputests  tests/gpu/test_daemon_gpu.py (CUDA IPC loads, the signal page's GPU waits and stream writes)
+#   gputests  tests/gpu/test_cuda_copier.py and test_daemon_gpu.py (every copy mechanism's bytes, CUDA IPC
+#             loads, the signal page's GPU waits and stream writes)
+#   issue20   20K, eager, 2 passes, each: LMCache and kvbm layerwise (the worker's default copy issue:
+#             --cuda-copy auto = direct) in one harness run, then kvbm layerwise with --cuda-copy batch
+#             (cuda-python, as before 2026-11-26's seventh session) in another; ttft20k_issue_{direct,batch}_pP
+#   issue8    the same on 8K
 #   waits20   20K, eager, 2 passes: LMCache, kvbm layerwise (GPU layer waits where CUDA loads kernels
 #             eagerly: run with KVBM_EAGER=1), kvbm layerwise with its layer waits on the CPU
 #             (gpu_layer_waits false). NOTE: with KVBM_EAGER=1 vLLM 0.26 did not start in 300 s (H200)
@@ -36,7 +41,15 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
   case $s in
     gap) for g in 0 0.5; do python3 benchmarks/g2_copy_path.py --kinds shared --gap-s $g \
            --json "$R/g2_copy_gap$g.json" >>"$R/gap.log" 2>&1; done ;;
-    gputests) python3 -m pytest -q -p no:cacheprovider tests/gpu/test_daemon_gpu.py >"$R/gpu_tests.txt" 2>&1 ;;
+    gputests) python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_copier.py tests/gpu/test_daemon_gpu.py \
+                >"$R/gpu_tests.txt" 2>&1 ;;
+    issue20|issue8) W=${s#issue}; X=""; [ "$W" = 20 ] && X="$A20"
+             for p in 1 2; do
+               KVBM_CONNECTOR_TRACE=$R/t${W}k_issue_direct_p$p.jsonl $T "$R/ttft${W}k_issue_direct_p$p.jsonl" \
+                 lmcache,ours_layerwise $X $H --timeout 300 >>"$R/$s.log" 2>&1
+               KVBM_WORKER_ARGS="--cuda-copy batch" KVBM_CONNECTOR_TRACE=$R/t${W}k_issue_batch_p$p.jsonl \
+                 $T "$R/ttft${W}k_issue_batch_p$p.jsonl" ours_layerwise $X $H --timeout 300 >>"$R/$s.log" 2>&1
+             done ;;
     waits20) KVBM_CONNECTOR_TRACE=$R/t20k_waits.jsonl $T "$R/ttft20k_waits.jsonl" \
                lmcache,ours_layerwise,ours_layerwise_cpuwait $A20 $H --timeout 300 --passes 2 >"$R/waits20.log" 2>&1 ;;
     waits8) KVBM_CONNECTOR_TRACE=$R/t8k_waits.jsonl $T "$R/ttft8k_waits.jsonl" \

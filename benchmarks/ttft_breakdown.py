@@ -29,6 +29,9 @@ the row's start time ``t0``:
   layer_wait layer-pipelined loads (``ours_layerwise``): what the engine's thread waited in the
              layer hooks of the step (the rest of ``wait`` overlapped the forward)
   first_group  layer-pipelined loads: the first layer group landed, ms after the worker role's call
+  last_group   layer-pipelined loads: the last layer group landed, ms after the worker role's call
+  settle     layer-pipelined loads: once the forward was enqueued, the wait for the daemon's answer
+             (traces from 2026-11-26 seventh session on)
 """
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ import statistics
 from peer_passes import slots, summarize, summary_line
 
 FIELDS = ("ttft", "front", "lookup", "to_copy", "head_start", "wait", "after_load", "ret", "store_prep", "alloc",
-          "copy", "layer_wait", "first_group", "blocks")
+          "copy", "layer_wait", "first_group", "last_group", "settle", "blocks")
 
 
 def load_runs(path: str, pass_index: int | None = None) -> list[dict]:
@@ -94,7 +97,10 @@ def breakdown(rows: list[dict], events: list[dict]) -> list[dict]:
                     "alloc": (alloc[0]["t"] - p["t"]) * 1e3 if alloc else float("nan"),
                     "copy": ld.get("copy_ms", float("nan")),
                     "layer_wait": sum(e["waited_ms"] for e in pick("layer_waits")) if pick("layer_waits") else float("nan"),
-                    "first_group": (ld.get("landed_ms") or [float("nan")])[0], "blocks": ld["blocks"]})
+                    "first_group": (ld.get("landed_ms") or [float("nan")])[0],
+                    "last_group": (ld.get("landed_ms") or [float("nan")])[-1],
+                    "settle": sum(e.get("settle_ms", float("nan")) for e in pick("layer_waits"))
+                    if pick("layer_waits") else float("nan"), "blocks": ld["blocks"]})
     return out
 
 

@@ -173,9 +173,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="GPU data path on CUDA device DEVICE: open the KV cache through CUDA IPC, pin G2, "
                              "copy on CUDA streams (needs torch with CUDA and cuda-python)")
     parser.add_argument("--cuda-copy", default=CopyMechanism.AUTO.value, choices=[m.value for m in CopyMechanism],
-                        help="G1<->G2 copy mechanism with --gpu [default auto: cudaMemcpyBatchAsync where the CUDA "
-                             "runtime has it (>= 12.8); else one DMA per contiguous run when runs average >= 256 KiB, "
-                             "else a GPU gather into staging + DMA]")
+                        help="G1<->G2 copy mechanism with --gpu [default auto: direct, i.e. cudaMemcpyBatchAsync "
+                             "called through ctypes on torch's CUDA runtime with the interpreter lock held, once a "
+                             "check copy at start moved the right bytes; else batch (the same API through "
+                             "cuda-python) where the CUDA runtime has it (>= 12.8); else one DMA per contiguous run "
+                             "when runs average >= 256 KiB, else a GPU gather into staging + DMA]")
     parser.add_argument("--no-nixl", action="store_true", help="use preadv/pwritev for disk I/O instead of NIXL")
     parser.add_argument("--load-group-shape", default=GroupShape.FRONT.value, choices=[s.value for s in GroupShape],
                         help="how a layer-grouped load's pages are split into the groups the engine asks for: front "

@@ -54,12 +54,15 @@ class PieceTimes:
     """One piece of a layer-grouped load, for the job's debug line: perf_counter times on the
     lane when its issue began, when it was issued and when the lane saw it landed; ``gpu_ms``:
     when it landed by the GPU's clock, ms after a mark the medium recorded right before the
-    first piece was issued (None where the medium has no such clock)."""
+    first piece was issued (None where the medium has no such clock); ``cpu_ms``: the lane
+    thread's own CPU time while it issued the piece (much less than ``issued - began``: the
+    thread waited, for the interpreter lock or a CPU)."""
 
     began: float
     issued: float
     landed: float
     gpu_ms: float | None = None
+    cpu_ms: float | None = None
 
 
 @dataclass(slots=True)
@@ -108,6 +111,8 @@ class Landed:
         if self.pieces and all(p.gpu_ms is not None for p in self.pieces):
             first = ms(self.pieces[0].began)  # the GPU's mark was recorded right before this
             line += f"; by the GPU's clock landed at {[round(first + (p.gpu_ms or 0.0), 1) for p in self.pieces]} ms"
+        if self.pieces and all(p.cpu_ms is not None for p in self.pieces):
+            line += f"; the lane's CPU time issuing each piece {[round(p.cpu_ms or 0.0, 2) for p in self.pieces]} ms"
         return line
 
 

@@ -193,7 +193,7 @@ class BlockMover:
             pieces = group_pieces(len(blocks), grouping.bounds, region.page_bytes, self.pacing.piece_bytes)
             depth = self.pacing.ahead or len(pieces)
         issued: list[Pending] = []
-        in_flight: deque[tuple[Pending, Slots, tuple[int, int] | None, bool, float, float, int]] = deque()
+        in_flight: deque[tuple[Pending, Slots, tuple[int, int] | None, bool, float, float, int, float]] = deque()
         times = grouping.pieces if grouping is not None else None
         mark = self._gpu_mark() if times is not None else None
         queued = 0  # bytes of the layer-grouped pieces in flight
@@ -201,13 +201,14 @@ class BlockMover:
                              lambda slot, value: self._signal(region, slot, value))
 
         def settle(copy: Pending, to: Slots, pages: tuple[int, int] | None, group_done: bool, began: float,
-                   sent: float, nbytes: int) -> None:
+                   sent: float, nbytes: int, cpu: float) -> None:
             nonlocal queued
             copy.wait()
             queued -= nbytes
             if times is not None:
                 landed = time.perf_counter()
-                times.append(PieceTimes(began, sent, landed, self._gpu_ms(mark, copy) if mark is not None else None))
+                times.append(PieceTimes(began, sent, landed, self._gpu_ms(mark, copy) if mark is not None else None,
+                                        cpu * 1e3))
             if sums is not None and kind is PlanKind.STORE:
                 sums.seal(to, host.slots, to)
             if group_done and grouping is not None and pages is not None:
@@ -218,7 +219,7 @@ class BlockMover:
                 nbytes = 0 if pages is None else (hi - lo) * (pages[1] - pages[0]) * region.page_bytes
                 queued += nbytes  # (layer-grouped pieces only)
                 self._check_time(until - queued / DMA_FLOOR_BPS)
-                began = time.perf_counter()
+                began, cpu = time.perf_counter(), time.thread_time()
                 b, s = EngineBlocks(blocks[lo:hi]), Slots(slots[lo:hi])
                 if kind is PlanKind.STORE:
                     if sums is not None:
@@ -228,7 +229,8 @@ class BlockMover:
                     if sums is not None and grouping is None:
                         self._verify(sums, Tier.HOST, s, host.slots, s)
                     issued.append(self._from_slots(region, b, host.slots, s, pages, mark is not None))
-                in_flight.append((issued[-1], s, pages, last, began, time.perf_counter(), nbytes))
+                in_flight.append((issued[-1], s, pages, last, began, time.perf_counter(), nbytes,
+                                  time.thread_time() - cpu))
                 issued.extend(words.group_issued(pages[1]) if last and pages is not None else words.catch_up())
                 # settle what landed (a synchronous medium's piece at once); keep at most ``depth`` queued
                 while in_flight and (len(in_flight) > depth or in_flight[0][0].landed()):

@@ -10,11 +10,16 @@ Mechanisms (``--cuda-copy``, :class:`CopyMechanism`):
 * ``runs``: one ``cudaMemcpyAsync`` per contiguous run. Pages that are adjacent on both sides
   (every layer of a block in a cross-layer layout, consecutive blocks into consecutive slots)
   are merged first, so a vLLM cross-layer cache moves in >= 2 MiB DMAs.
-* ``batch``: the same runs in one ``cudaMemcpyBatchAsync`` call per 4096 (CUDA >= 12.8).
+* ``batch``: the same runs in one ``cudaMemcpyBatchAsync`` call per 4096 (CUDA >= 12.8), through
+  cuda-python.
+* ``direct``: the batch API called through ``ctypes`` on torch's runtime, keeping the
+  interpreter lock, with the pieces' events made the same way (:mod:`.cudart_direct`); used
+  only after a copy through it moved the right bytes at start.
 * ``gather``: pages gathered on the GPU (``index_select``) into a staging buffer, then one DMA
   per contiguous slot run (loads: DMA then ``index_copy_``). Uses SMs briefly; needs every
   layer's offset and stride to be multiples of the page size.
-* ``auto`` (the default): ``batch`` where the CUDA runtime has it; else ``runs`` when the runs
+* ``auto`` (the default): ``direct`` where it passed that check, else ``batch`` where the CUDA
+  runtime has it; else ``runs`` when the runs
   of a batch average at least 256 KiB (or the layout cannot be gathered), else ``gather``.
 
 Everything CUDA is imported lazily: this module imports on a machine without CUDA.
@@ -31,6 +36,7 @@ import numpy.typing as npt
 from ..cuda_region import CudaEngineRegion, CudaError, check, cudart
 from ..id_arrays import EngineBlocks
 from ..runs import page_range, segments
+from . import cudart_direct
 from .pinned import PinnedHost
 
 log = logging.getLogger("kvbm.worker")
@@ -53,6 +59,7 @@ class CopyMechanism(str, enum.Enum):
     AUTO = "auto"
     RUNS = "runs"
     BATCH = "batch"
+    DIRECT = "direct"
     GATHER = "gather"
 
 
@@ -123,6 +130,9 @@ class CudaCopier:
             self._attr = attr
         else:
             self._batch_ok = False
+        self._direct: cudart_direct.Direct | None = None
+        if self.mechanism in (CopyMechanism.AUTO, CopyMechanism.DIRECT):
+            self._direct = cudart_direct.checked(device)
 
     def warm(self, direction: str, host_src: int | None = None, nbytes: int = 4 << 20) -> None:
         """One copy in ``direction`` on its stream, with the mechanism real copies use, on the
@@ -155,8 +165,13 @@ class CudaCopier:
     def mark(self, direction: str) -> Any:
         """A timing event recorded now on ``direction``'s stream (for ``copy(..., timed=True)``'s
         ``elapsed_time``: the GPU's own account of when a copy landed)."""
+        stream = self.streams[Direction(direction)]
+        if self._direct is not None:
+            raw = self._direct.event(True)
+            raw.record(stream.cuda_stream)
+            return raw
         event = _event(True)
-        event.record(self.streams[Direction(direction)])
+        event.record(stream)
         return event
 
     def write_word(self, direction: str, address: int, value: int) -> Any:
@@ -195,6 +210,15 @@ class CudaCopier:
         if pages is not None and mech is CopyMechanism.GATHER:
             mech = CopyMechanism.BATCH if self._batch_ok is not False else CopyMechanism.RUNS
         self.last_mechanism = mech.value
+        if mech is CopyMechanism.DIRECT and self._direct is not None:
+            # no device or stream context: the calls name the stream, the lane's thread its device
+            src, dst = self._pages(direction, region, ids, host_addrs, pages)
+            self._dma(src, dst, region.page_bytes, direction is Direction.H2D, mech, stream)
+            raw = self._direct.event(timed)
+            raw.record(stream.cuda_stream)
+            if wait:
+                raw.synchronize()
+            return raw
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             if mech is CopyMechanism.GATHER:
                 self._gather(direction, region, ids, host_addrs, stream)
@@ -211,8 +235,12 @@ class CudaCopier:
                 mech: CopyMechanism) -> CopyMechanism:
         if mech is CopyMechanism.GATHER and not self._gather_views(region).ok:
             mech = CopyMechanism.AUTO
+        if mech is CopyMechanism.DIRECT and self._direct is None:
+            mech = CopyMechanism.BATCH  # (its check failed at start: logged there)
         if mech is not CopyMechanism.AUTO:
             return CopyMechanism.RUNS if mech is CopyMechanism.BATCH and self._batch_ok is False else mech
+        if self._direct is not None:
+            return CopyMechanism.DIRECT
         # NOTE: measured on H100 (README): the batch API matches the gather kernel's bandwidth on
         # 32 KiB pages and slows a concurrent matmul by ~1 % where the gather kernel costs 13-21 %,
         # so gather is only the fallback for small runs when the batch API is missing.
@@ -240,8 +268,12 @@ class CudaCopier:
         self._issue(*self.pinned.split(s, d, n, s if host_is_src else d), mech, stream)
 
     def _issue(self, src: Addrs, dst: Addrs, lengths: Addrs, mech: CopyMechanism, stream: Any) -> None:
-        rt = cudart()
         handle = stream.cuda_stream
+        if mech is CopyMechanism.DIRECT and self._direct is not None:
+            for i in range(0, len(src), BATCH_MAX):
+                self._direct.batch(dst[i:i + BATCH_MAX], src[i:i + BATCH_MAX], lengths[i:i + BATCH_MAX], handle)
+            return
+        rt = cudart()
         if mech is CopyMechanism.BATCH and self._batch_ok is not False:
             try:
                 for i in range(0, len(src), BATCH_MAX):

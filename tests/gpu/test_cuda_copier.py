@@ -31,7 +31,7 @@ def pool():
 
 
 @pytest.mark.parametrize("layout", ["cross", "layers"])
-@pytest.mark.parametrize("mechanism", ["runs", "batch", "gather", "auto"])
+@pytest.mark.parametrize("mechanism", ["runs", "batch", "direct", "gather", "auto"])
 def test_offload_then_onboard_elsewhere_bytes_equal(pool, layout, mechanism):
     host, pinned = pool
     kv = make_kv(layout, NUM_BLOCKS, LAYERS)
@@ -47,6 +47,8 @@ def test_offload_then_onboard_elsewhere_bytes_equal(pool, layout, mechanism):
     addrs = host.address + slots * host.geometry.slot_bytes
     host.slots[:] = 0xA5  # poison
     copier.copy("d2h", region, src, addrs)
+    if mechanism in ("direct", "auto"):  # its check copy at start passed on this GPU
+        assert copier.last_mechanism == "direct"
     for b, s in zip(src, slots):
         ref = block_bytes(kv, layout, int(b)).cpu().numpy()
         assert np.array_equal(host.slots[s, :bb], ref), f"{mechanism}: slot {s} != block {b}"
@@ -69,7 +71,7 @@ def test_offload_then_onboard_elsewhere_bytes_equal(pool, layout, mechanism):
 
 
 @pytest.mark.parametrize("layout", ["cross", "layers"])
-@pytest.mark.parametrize("mechanism", ["batch", "runs", "gather"])
+@pytest.mark.parametrize("mechanism", ["batch", "direct", "runs", "gather"])
 def test_onboard_in_page_groups_lands_only_those_pages(pool, layout, mechanism):
     """Layer-pipelined loads: a copy of pages [lo, hi) writes exactly those pages of each block
     (gather falls back to direct DMA for a page range)."""
@@ -91,7 +93,9 @@ def test_onboard_in_page_groups_lands_only_those_pages(pool, layout, mechanism):
         now = block_bytes(kv, layout, int(d)).cpu().numpy()
         assert np.array_equal(now[:first * page], host.slots[slots[i], :first * page]), "group 0 did not land"
         assert np.array_equal(now[first * page:], old[i].cpu().numpy()[first * page:]), "group 0 wrote later pages"
-    copier.copy("h2d", region, dst, addrs, pages=(first, region.num_layers))
+    mark = copier.mark("h2d")
+    done = copier.copy("h2d", region, dst, addrs, pages=(first, region.num_layers), timed=True)
+    assert mark.elapsed_time(done) >= 0.0  # the GPU's clock of a piece (the lane's debug line)
     for i, d in enumerate(dst):
         assert np.array_equal(block_bytes(kv, layout, int(d)).cpu().numpy(), host.slots[slots[i], :bb])
     with pytest.raises(ValueError):

@@ -55,7 +55,7 @@ def test_g2_roundtrip_through_ipc(gpu_node, layouts):
     roundtrip(node, *layouts, Tier.HOST)
 
 
-@pytest.mark.parametrize("mechanism", ["runs", "gather"])
+@pytest.mark.parametrize("mechanism", ["runs", "gather", "batch", "direct"])
 def test_g2_roundtrip_forced_mechanism(gpu_node, mechanism):
     node = gpu_node("--cuda-copy", mechanism, DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS="64")
     roundtrip(node, "layers", "layers", Tier.HOST)

@@ -165,10 +165,11 @@ class KvbmConnectorWorker:
         # NOTE: each hook waits for its own layer's pages, so a forward that ran its hooks read
         # no page before it landed. Not "waited for the last page": a drafter's layers (EAGLE,
         # MTP) share the KV cache but run after the step settled, without connector metadata.
+        t0 = time.perf_counter()
         self.core.wait_loads(forward_waited=self._hooks_ran)
-        if tracing():
+        if tracing():  # settle_ms: the wait for the daemon's answers once the forward was enqueued
             trace("layer_waits", waited_ms=round(self._waited_s * 1e3, 2), pages=self._waited_end,
-                  of=self._pages_per_block)
+                  of=self._pages_per_block, settle_ms=round((time.perf_counter() - t0) * 1e3, 2))
 
     @staticmethod
     def _earlier_steps_ran() -> None:

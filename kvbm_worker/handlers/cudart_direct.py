@@ -1,0 +1,206 @@
+"""The copy lane's CUDA runtime calls made straight through ``ctypes``, without giving up the
+interpreter lock: ``cudaMemcpyBatchAsync`` over numpy arrays, and the events that mark a piece.
+
+Why (H100 / H200, 2026-11-26): beside vLLM a layer-grouped load's piece took the lane 3-8 µs per
+copy to issue, against ~1 µs in ``benchmarks/issue_cost.py`` alone; the daemon's lanes share
+one interpreter with its event loop, and every call that releases the lock (cuda-python's
+bindings and torch's event record each do) can leave the lane waiting up to the switch
+interval to get it back, once per call, several calls per piece. Here a piece is issued by one
+foreign call that keeps the lock (``ctypes.PyDLL``), with the addresses handed over as the
+arrays' memory (no Python object per copy); only ``synchronize`` releases it (it blocks).
+
+Loaded from the ``libcudart`` that torch already mapped into the process (the runtime the
+daemon's streams belong to). :func:`load` returns None where that library or the batch API is
+missing; the copier then keeps cuda-python (``CudaCopier`` checks a copy's bytes with this path
+once at start before it uses it, see ``CudaCopier.warm``).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+log = logging.getLogger("kvbm.worker")
+
+NOT_READY = 600  # cudaErrorNotReady
+DISABLE_TIMING = 0x2  # cudaEventDisableTiming
+SRC_ACCESS_ORDER_STREAM = 0x1  # cudaMemcpySrcAccessOrderStream
+PREFER_OVERLAP_WITH_COMPUTE = 0x1  # cudaMemcpyFlagPreferOverlapWithCompute
+_VOID_PP = ctypes.POINTER(ctypes.c_void_p)
+_SIZE_P = ctypes.POINTER(ctypes.c_size_t)
+MAPS = Path("/proc/self/maps")
+
+
+class MemLocation(ctypes.Structure):
+    """``cudaMemLocation`` (CUDA 12.8+ ``{cudaMemLocationType type; int id;}``)."""
+
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class MemcpyAttributes(ctypes.Structure):
+    """``cudaMemcpyAttributes`` (CUDA 12.8+)."""
+
+    _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcLocHint", MemLocation), ("dstLocHint", MemLocation),
+                ("flags", ctypes.c_uint)]
+
+
+class DirectError(RuntimeError):
+    """A runtime call made through :class:`Direct` failed."""
+
+
+def _mapped_cudart() -> str | None:
+    """The path of the ``libcudart.so*`` mapped into this process (None: none is)."""
+    try:
+        for line in MAPS.read_text().splitlines():
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and "/libcudart.so" in fields[5]:
+                return fields[5].strip()
+    except OSError:
+        return None
+    return None
+
+
+class Direct:
+    """The calls, bound to one loaded runtime (see the module docstring)."""
+
+    def __init__(self, path: str) -> None:
+        held = ctypes.PyDLL(path)  # calls keep the interpreter lock
+        free = ctypes.CDLL(path)  # calls release it (the blocking ones)
+        version = ctypes.c_int(0)
+        if held.cudaRuntimeGetVersion(ctypes.byref(version)) != 0:
+            raise DirectError("cudaRuntimeGetVersion failed")
+        self.version = version.value
+        if self.version < 12080:
+            raise DirectError(f"runtime {self.version} has no cudaMemcpyBatchAsync (12.8+)")
+        self.path = path
+        self._batch = held.cudaMemcpyBatchAsync
+        # CUDA 13 dropped the failIdx argument (12.8 / 12.9: ..., numAttrs, size_t* failIdx, stream)
+        head: list[Any] = [_VOID_PP, _VOID_PP, _SIZE_P, ctypes.c_size_t, ctypes.POINTER(MemcpyAttributes), _SIZE_P,
+                           ctypes.c_size_t]
+        self._batch.argtypes = head + ([] if self.version >= 13000 else [_SIZE_P]) + [ctypes.c_void_p]
+        self._batch.restype = ctypes.c_int
+        self._record = held.cudaEventRecord
+        self._record.argtypes, self._record.restype = [ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int
+        self._query = held.cudaEventQuery
+        self._query.argtypes, self._query.restype = [ctypes.c_void_p], ctypes.c_int
+        self._sync = free.cudaEventSynchronize
+        self._sync.argtypes, self._sync.restype = [ctypes.c_void_p], ctypes.c_int
+        self._create = held.cudaEventCreateWithFlags
+        self._create.argtypes, self._create.restype = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint], ctypes.c_int
+        self._destroy = held.cudaEventDestroy
+        self._destroy.argtypes, self._destroy.restype = [ctypes.c_void_p], ctypes.c_int
+        self._elapsed = held.cudaEventElapsedTime
+        self._elapsed.argtypes = [ctypes.POINTER(ctypes.c_float), ctypes.c_void_p, ctypes.c_void_p]
+        self._elapsed.restype = ctypes.c_int
+        self._name = held.cudaGetErrorName
+        self._name.argtypes, self._name.restype = [ctypes.c_int], ctypes.c_char_p
+        self._attr = MemcpyAttributes(SRC_ACCESS_ORDER_STREAM, MemLocation(0, 0), MemLocation(0, 0),
+                                      PREFER_OVERLAP_WITH_COMPUTE)
+        self._attr_idx = (ctypes.c_size_t * 1)(0)
+        self._fail = ctypes.c_size_t(0)
+
+    def check(self, err: int, what: str) -> None:
+        if err != 0:
+            name = self._name(err)
+            raise DirectError(f"{what}: {name.decode() if name else err}")
+
+    def batch(self, dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64], lengths: npt.NDArray[np.int64],
+              stream: int) -> None:
+        """``cudaMemcpyBatchAsync`` of ``src[i] -> dst[i]`` (``lengths[i]`` bytes) on ``stream``."""
+        d = np.ascontiguousarray(dst, dtype=np.uint64)
+        s = np.ascontiguousarray(src, dtype=np.uint64)
+        n = np.ascontiguousarray(lengths, dtype=np.uint64)
+        args: list[Any] = [d.ctypes.data_as(_VOID_PP), s.ctypes.data_as(_VOID_PP), n.ctypes.data_as(_SIZE_P),
+                           len(d), ctypes.byref(self._attr), self._attr_idx, 1]
+        if self.version < 13000:
+            args.append(ctypes.byref(self._fail))
+        self.check(self._batch(*args, stream), f"cudaMemcpyBatchAsync ({len(d)} copies)")
+
+    def event(self, timed: bool = False) -> "RawEvent":
+        return RawEvent(self, timed)
+
+
+class RawEvent:
+    """A CUDA event of :class:`Direct`'s runtime, with the methods the lane uses of torch's."""
+
+    def __init__(self, rt: Direct, timed: bool = False) -> None:
+        self.rt = rt
+        handle = ctypes.c_void_p(0)
+        rt.check(rt._create(ctypes.byref(handle), 0 if timed else DISABLE_TIMING), "cudaEventCreateWithFlags")
+        self.handle = handle.value
+
+    def record(self, stream: int) -> None:
+        self.rt.check(self.rt._record(self.handle, stream), "cudaEventRecord")
+
+    def query(self) -> bool:
+        err = self.rt._query(self.handle)
+        if err == NOT_READY:
+            return False
+        self.rt.check(err, "cudaEventQuery")
+        return True
+
+    def synchronize(self) -> None:
+        self.rt.check(self.rt._sync(self.handle), "cudaEventSynchronize")
+
+    def elapsed_time(self, end: "RawEvent") -> float:
+        ms = ctypes.c_float(0.0)
+        self.rt.check(self.rt._elapsed(ctypes.byref(ms), self.handle, end.handle), "cudaEventElapsedTime")
+        return float(ms.value)
+
+    def __del__(self) -> None:
+        if getattr(self, "handle", None):
+            self.rt._destroy(self.handle)
+            self.handle = None
+
+
+def load() -> Direct | None:
+    """The direct calls on the runtime mapped in this process, or None (logged) where unusable."""
+    path = _mapped_cudart()
+    if path is None:
+        log.info("no libcudart mapped in the daemon: copies are issued through cuda-python")
+        return None
+    try:
+        return Direct(path)
+    except (OSError, AttributeError, DirectError) as exc:
+        log.info("direct CUDA calls unusable (%s: %s): copies are issued through cuda-python", path, exc)
+        return None
+
+
+def checked(device: int) -> Direct | None:
+    """The direct calls (:func:`load`) if a copy through them, host -> GPU -> host in
+    scattered pieces on ``device``, moves exactly the bytes it names (else None, logged)."""
+    import torch
+    direct = load()
+    if direct is None:
+        return None
+    try:
+        with torch.cuda.device(device):
+            new_stream: Any = torch.cuda.Stream  # (untyped constructor)
+            stream = new_stream(device=device)
+            n, unit = 64, 4096
+            src = torch.randint(0, 256, (n * unit,), dtype=torch.uint8).pin_memory()
+            back = torch.zeros(n * unit, dtype=torch.uint8).pin_memory()
+            dev = torch.zeros(n * unit, dtype=torch.uint8, device=f"cuda:{device}")
+            order = np.random.default_rng(7).permutation(n).astype(np.int64)
+            lengths = np.full(n, unit, np.int64)
+            dev_at = dev.data_ptr() + order * unit
+            direct.batch(dev_at, src.data_ptr() + np.arange(n, dtype=np.int64) * unit, lengths, stream.cuda_stream)
+            direct.batch(back.data_ptr() + np.arange(n, dtype=np.int64) * unit, dev_at, lengths, stream.cuda_stream)
+            done = direct.event()
+            done.record(stream.cuda_stream)
+            done.synchronize()
+            expect = src.view(n, unit)[torch.from_numpy(np.argsort(order))].reshape(-1)
+            ok = torch.equal(dev.cpu(), expect) and torch.equal(back, src)
+    except (DirectError, RuntimeError, ctypes.ArgumentError) as exc:
+        log.warning("direct CUDA calls failed their check (%s); copies are issued through cuda-python", exc)
+        return None
+    if not ok:
+        log.warning("a copy through the direct CUDA calls (%s) moved the wrong bytes; copies are issued through "
+                    "cuda-python", direct.path)
+        return None
+    log.debug("copies issued through %s (runtime %d), the interpreter lock held", direct.path, direct.version)
+    return direct
