@@ -26,6 +26,7 @@
 #             --cuda-copy auto = direct) in one harness run, then kvbm layerwise with --cuda-copy batch
 #             (cuda-python, as before 2026-11-26's seventh session) in another; ttft20k_issue_{direct,batch}_pP
 #   issue8    the same on 8K
+#   ipcissue  ipc_issue_cost.py: the CPU cost of issuing copies into local vs CUDA-IPC memory
 #   waits20   20K, eager, 2 passes: LMCache, kvbm layerwise (GPU layer waits where CUDA loads kernels
 #             eagerly: run with KVBM_EAGER=1), kvbm layerwise with its layer waits on the CPU
 #             (gpu_layer_waits false). NOTE: with KVBM_EAGER=1 vLLM 0.26 did not start in 300 s (H200)
@@ -43,6 +44,7 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
            --json "$R/g2_copy_gap$g.json" >>"$R/gap.log" 2>&1; done ;;
     gputests) python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_copier.py tests/gpu/test_daemon_gpu.py \
                 >"$R/gpu_tests.txt" 2>&1 ;;
+    ipcissue) python3 benchmarks/ipc_issue_cost.py --json "$R/ipc_issue_cost.json" >"$R/ipcissue.log" 2>&1 ;;
     issue20|issue8) W=${s#issue}; X=""; [ "$W" = 20 ] && X="$A20"
              for p in 1 2; do
                KVBM_CONNECTOR_TRACE=$R/t${W}k_issue_direct_p$p.jsonl $T "$R/ttft${W}k_issue_direct_p$p.jsonl" \
