@@ -2,7 +2,7 @@
 inside the worker daemon, or only beside vLLM?
 
     python3 benchmarks/daemon_layer_loads.py [--blocks 1258] [--groups 6] [--reps 12] [--gap-ms 150]
-        [--busy] [--variant NAME=WORKER_FLAGS ...] [--passes 2] [--g2-gb 12] [--json out.json]
+        [--busy] [--hog N] [--variant NAME=WORKER_FLAGS ...] [--passes 2] [--g2-gb 12] [--json out.json]
 
 This process plays the engine: a vLLM-like cross-layer KV cache on the GPU ([blocks, 36 layers, 2,
 16 tokens, 8 heads, 128] bf16, Qwen3-4B's shape: 2.25 MiB blocks) exported through CUDA IPC to a
@@ -51,7 +51,8 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS, TOKENS, HEADS, DIM = 36, 16, 8, 128
 JOB_LINE = re.compile(r"job (\d+) load: (\d+) blocks, \d+ bytes in ([0-9.]+) ms; groups landed on the lane at "
                       r"(\[[^]]*\]) ms, on the loop at (\[[^]]*\]) ms after the job started; pieces \(issue began, "
-                      r"issued, landed\) at (\[.*?\]) ms(?:; by the GPU's clock landed at (\[[^]]*\]) ms)?")
+                      r"issued, landed\) at (\[.*?\]) ms(?:; by the GPU's clock landed at (\[[^]]*\]) ms)?"
+                      r"(?:; the lane's CPU time issuing each piece (\[[^]]*\]) ms)?")
 
 
 def med(values: list[float]) -> float | None:
@@ -87,6 +88,30 @@ class Busy:
         self.thread.join()
 
 
+def _spin(stop) -> None:
+    x = 0
+    while not stop.is_set():
+        for _ in range(100000):
+            x += 1
+
+
+class Hogs:
+    """``n`` processes spinning on the CPU until :meth:`close` (the engine's busy processes)."""
+
+    def __init__(self, n: int) -> None:
+        import multiprocessing
+        ctx = multiprocessing.get_context("spawn")
+        self.stop = ctx.Event()
+        self.procs = [ctx.Process(target=_spin, args=(self.stop,), daemon=True) for _ in range(n)]
+        for p in self.procs:
+            p.start()
+
+    def close(self) -> None:
+        self.stop.set()
+        for p in self.procs:
+            p.join()
+
+
 def daemon_rows(log: Path) -> list[dict]:
     """The worker's debug line of each layer-grouped load, parsed."""
     rows = []
@@ -99,6 +124,7 @@ def daemon_rows(log: Path) -> list[dict]:
         rows.append({"job": int(m.group(1)), "blocks": int(m.group(2)), "lane_ms": float(m.group(3)),
                      "groups_lane": ast.literal_eval(m.group(4)), "pieces": pieces, "gpu_landed": gpu,
                      "issue_ms": [round(p[1] - p[0], 2) for p in pieces],
+                     "issue_cpu_ms": ast.literal_eval(m.group(8)) if m.group(8) else [],
                      "first_issue_began": pieces[0][0] if pieces else None})
     return rows
 
@@ -169,6 +195,7 @@ def one_variant(name: str, flags: list[str], kv, args: argparse.Namespace, busy:
         "first_issue_began_ms": med([j["first_issue_began"] for j in jobs if j["first_issue_began"] is not None]),
         "issue_ms_median": med([v for j in jobs for v in j["issue_ms"]]),
         "issue_ms_max": max((v for j in jobs for v in j["issue_ms"]), default=None),
+        "issue_cpu_ms_median": med([v for j in jobs for v in j["issue_cpu_ms"]]),
     }
 
 
@@ -183,8 +210,10 @@ def main() -> None:
                     help="a worker configuration (its extra flags); repeat; default: one, 'default='")
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--g2-gb", type=float, default=12.0)
+    ap.add_argument("--hog", type=int, default=0, help="this many processes spin on the CPU throughout")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    hogs = Hogs(args.hog)
     import torch
     variants = [(v.split("=", 1)[0], shlex.split(v.split("=", 1)[1] if "=" in v else "")) for v in args.variant] \
         or [("default", [])]
@@ -202,6 +231,7 @@ def main() -> None:
                 results.append(r)
                 print(json.dumps({k: v for k, v in r.items() if k not in ("loads", "daemon")}), flush=True)
     finally:
+        hogs.close()
         if busy is not None:
             busy.close()
     summary = {}
@@ -210,7 +240,7 @@ def main() -> None:
         summary[name] = {k: med([r[k] for r in mine if r[k] is not None])
                          for k in ("first_group_ms", "last_group_ms", "done_ms", "lane_ms", "lane_first_group_ms",
                                    "gpu_first_piece_ms", "gpu_last_piece_ms", "first_issue_began_ms",
-                                   "issue_ms_median")}
+                                   "issue_ms_median", "issue_cpu_ms_median")}
         summary[name]["per_pass_last_group_ms"] = [r["last_group_ms"] for r in mine]
         summary[name]["bytes_equal"] = all(r["bytes_equal"] for r in mine)
     print(json.dumps({"summary": summary}, indent=1), flush=True)

@@ -27,6 +27,10 @@
 #             (cuda-python, as before 2026-11-26's seventh session) in another; ttft20k_issue_{direct,batch}_pP
 #   issue8    the same on 8K
 #   ipcissue  ipc_issue_cost.py: the CPU cost of issuing copies into local vs CUDA-IPC memory
+#   fwd8      8K, eager, 2 passes: LMCache, kvbm layerwise, kvbm synchronous (the engine's forward timed
+#             in the trace: wall and CPU, overlapped with the copy or after it)
+#   alone     daemon_layer_loads.py, 418-block (8K) loads through the real daemons without an engine,
+#             --cuda-copy auto (direct) and batch, 2 passes; then the same with 12 CPU-spinning processes
 #   waits20   20K, eager, 2 passes: LMCache, kvbm layerwise (GPU layer waits where CUDA loads kernels
 #             eagerly: run with KVBM_EAGER=1), kvbm layerwise with its layer waits on the CPU
 #             (gpu_layer_waits false). NOTE: with KVBM_EAGER=1 vLLM 0.26 did not start in 300 s (H200)
@@ -44,6 +48,11 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
            --json "$R/g2_copy_gap$g.json" >>"$R/gap.log" 2>&1; done ;;
     gputests) python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_copier.py tests/gpu/test_daemon_gpu.py \
                 >"$R/gpu_tests.txt" 2>&1 ;;
+    fwd8) KVBM_CONNECTOR_TRACE=$R/t8k_fwd.jsonl $T "$R/ttft8k_fwd.jsonl" lmcache,ours_layerwise,ours_sync \
+            $H --timeout 300 --passes 2 >"$R/fwd8.log" 2>&1 ;;
+    alone) for h in 0 12; do python3 benchmarks/daemon_layer_loads.py --blocks 418 --reps 12 --variant direct= \
+             --variant "batch=--cuda-copy batch" --passes 2 --hog $h --json "$R/alone_hog$h.json" \
+             >>"$R/alone.log" 2>&1; done ;;
     ipcissue) python3 benchmarks/ipc_issue_cost.py --json "$R/ipc_issue_cost.json" >"$R/ipcissue.log" 2>&1 ;;
     issue20|issue8) W=${s#issue}; X=""; [ "$W" = 20 ] && X="$A20"
              for p in 1 2; do

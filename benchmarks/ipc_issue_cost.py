@@ -71,13 +71,13 @@ def run(copier: CudaCopier, host: HostPool, dst_base: int, n: int, size: int, me
     slots = host.buffer.nbytes // SLOT
     for _ in range(reps):
         torch.cuda.synchronize()
-        src = host.address + rng.choice(slots, n, replace=False).astype(np.int64) * SLOT
+        src = host.address + np.sort(rng.choice(slots, n, replace=False)).astype(np.int64) * SLOT
         dst = dst_base + rng.permutation(n).astype(np.int64) * SLOT  # one run per block, as a group's pages
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record(stream)
         t, c = time.perf_counter(), time.thread_time()
-        copier._issue(src, dst, np.full(n, size, np.int64), CopyMechanism(mech), stream)
+        copier._dma(src, dst, size, True, CopyMechanism(mech), stream)  # (cut at pinned-range edges)
         wall.append((time.perf_counter() - t) * 1e6 / n)
         cpu.append((time.thread_time() - c) * 1e6 / n)
         end.record(stream)
@@ -101,6 +101,7 @@ def main() -> None:
     proc = ctx.Process(target=engine, args=(child, nbytes), daemon=True)
     proc.start()
     torch.cuda.set_device(0)
+    check(cudart().cudaSetDevice(0), "cudaSetDevice")  # (cuda-python's runtime: the lane's _enter_lane does this)
     host = HostPool(SlotGeometry.of(SLOT, (8 << 30) // SLOT))
     host.commit()
     pinned = PinnedHost(0)
@@ -118,8 +119,11 @@ def main() -> None:
                         parent.send("busy")
                         parent.send(3.0)
                         parent.recv()
-                    row = {"engine_busy": busy, "destination": where,
-                           **run(copier, host, base, n, size, mech, args.reps, rng)}
+                    row: dict[str, Any] = {"engine_busy": busy, "destination": where}
+                    try:
+                        row |= run(copier, host, base, n, size, mech, args.reps, rng)
+                    except Exception as exc:  # (recorded: the other rows still run)
+                        row |= {"mechanism": mech, "error": str(exc)}
                     rows.append(row)
                     print(json.dumps(row), flush=True)
                     if busy:

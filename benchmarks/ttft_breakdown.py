@@ -32,6 +32,9 @@ the row's start time ``t0``:
   last_group   layer-pipelined loads: the last layer group landed, ms after the worker role's call
   settle     layer-pipelined loads: once the forward was enqueued, the wait for the daemon's answer
              (traces from 2026-11-26 seventh session on)
+  forward    the engine's thread from the step's loads sent (synchronous: answered) to its
+             ``wait_for_save`` (the forward enqueued); forward_cpu: that thread's CPU time meanwhile
+             (much less than ``forward``: it waited, for a layer, the interpreter lock or a CPU)
 """
 from __future__ import annotations
 
@@ -42,7 +45,8 @@ import statistics
 from peer_passes import slots, summarize, summary_line
 
 FIELDS = ("ttft", "front", "lookup", "to_copy", "head_start", "wait", "after_load", "ret", "store_prep", "alloc",
-          "copy", "layer_wait", "first_group", "last_group", "settle", "blocks")
+          "copy", "layer_wait", "first_group", "last_group", "settle", "forward",
+          "forward_cpu", "blocks")
 
 
 def load_runs(path: str, pass_index: int | None = None) -> list[dict]:
@@ -100,7 +104,10 @@ def breakdown(rows: list[dict], events: list[dict]) -> list[dict]:
                     "first_group": (ld.get("landed_ms") or [float("nan")])[0],
                     "last_group": (ld.get("landed_ms") or [float("nan")])[-1],
                     "settle": sum(e.get("settle_ms", float("nan")) for e in pick("layer_waits"))
-                    if pick("layer_waits") else float("nan"), "blocks": ld["blocks"]})
+                    if pick("layer_waits") else float("nan"),
+                    "forward": pick("forward")[-1]["ms"] if pick("forward") else float("nan"),
+                    "forward_cpu": pick("forward")[-1]["cpu_ms"] if pick("forward") else float("nan"),
+                    "blocks": ld["blocks"]})
     return out
 
 
