@@ -137,7 +137,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("results")
     ap.add_argument("trace")
-    ap.add_argument("--systems", default="ours,ours_sync,ours_async,ours_layerwise,ours_layerwise_noearly,ours_layerwise_cpuwait", help="the traced systems to break down")
+    ap.add_argument("--systems", default="ours,ours_sync,ours_async,ours_layerwise,ours_layerwise_noearly,ours_layerwise_cpuwait,ours_layerwise_g4,ours_layerwise_g3", help="the traced systems to break down")
     ap.add_argument("--pass", dest="pass_index", type=int, default=None,
                     help="this pass alone (default: every pass, the breakdown pools their warm requests)")
     args = ap.parse_args()
