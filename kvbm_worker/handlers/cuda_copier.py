@@ -154,8 +154,9 @@ class CudaCopier:
             half = nbytes // 2
             h, d = np.array([host_src, host_src + half]), np.array([dev.data_ptr(), dev.data_ptr() + half])
             src, dst = (d, h) if direction is Direction.D2H else (h, d)
-            self._issue(src, dst, np.array([half, half]),
-                        CopyMechanism.BATCH if self._attr is not None else CopyMechanism.RUNS, stream)
+            mech = CopyMechanism.DIRECT if self._direct is not None else \
+                CopyMechanism.BATCH if self._attr is not None else CopyMechanism.RUNS
+            self._issue(src, dst, np.array([half, half]), mech, stream)
             event = _event()
             event.record(stream)
             event.synchronize()

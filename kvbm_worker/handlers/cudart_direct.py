@@ -1,18 +1,23 @@
 """The copy lane's CUDA runtime calls made straight through ``ctypes``, without giving up the
 interpreter lock: ``cudaMemcpyBatchAsync`` over numpy arrays, and the events that mark a piece.
 
-Why (H100 / H200, 2026-11-26): beside vLLM a layer-grouped load's piece took the lane 3-8 µs per
-copy to issue, against ~1 µs in ``benchmarks/issue_cost.py`` alone; the daemon's lanes share
-one interpreter with its event loop, and every call that releases the lock (cuda-python's
-bindings and torch's event record each do) can leave the lane waiting up to the switch
-interval to get it back, once per call, several calls per piece. Here a piece is issued by one
-foreign call that keeps the lock (``ctypes.PyDLL``), with the addresses handed over as the
-arrays' memory (no Python object per copy); only ``synchronize`` releases it (it blocks).
+Why: cuda-python's binding builds a Python object per copy and releases the lock around every
+call (as torch's event record does), so a piece cost the lane several lock hand-offs and ~1 µs
+of Python per copy. Here a piece is one foreign call that keeps the lock (``ctypes.PyDLL``),
+the addresses handed over as the arrays' memory; only ``synchronize`` releases it (it blocks).
+Measured on an H200 beside vLLM (2026-11-26, ``README`` "seventh session"): the lane's CPU time
+issuing an 8K load's pieces 9.4-13.6 ms instead of 19.3-21.1, its first layer group at the engine
+~4.5 ms sooner. The per-piece CPU time equals its wall time on both paths, so what the lane
+spends is CPU in the call, not waiting for the lock; that the driver call costs ~2.5x more CPU
+beside vLLM than alone is not explained (``benchmarks/ipc_issue_cost.py``).
+NOTE: the daemon's event loop cannot run while a piece is issued (up to ~3.5 ms for a 418-copy
+piece beside vLLM); it took a landed group's news 0.1-0.2 ms after the lane there
+(``results/worker_debug_h200_2026-11-26g.txt``).
 
 Loaded from the ``libcudart`` that torch already mapped into the process (the runtime the
 daemon's streams belong to). :func:`load` returns None where that library or the batch API is
-missing; the copier then keeps cuda-python (``CudaCopier`` checks a copy's bytes with this path
-once at start before it uses it, see ``CudaCopier.warm``).
+missing, and :func:`checked` also where a check copy through it does not move exactly the bytes
+it names; the copier then keeps cuda-python (logged).
 """
 from __future__ import annotations
 
