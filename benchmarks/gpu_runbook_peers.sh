@@ -29,6 +29,9 @@
 #   ipcissue  ipc_issue_cost.py: the CPU cost of issuing copies into local vs CUDA-IPC memory
 #   fwd8      8K, eager, 2 passes: LMCache, kvbm layerwise, kvbm synchronous (the engine's forward timed
 #             in the trace: wall and CPU, overlapped with the copy or after it)
+#   peers20t  20K, eager, 2 passes: LMCache with its hooks timed (lmcache_timed, peer_timing.py: where
+#             its time goes), kvbm layerwise; then ttft_breakdown.py prints both
+#   peers8t   the same on 8K
 #   groups20  20K, eager, 2 passes: LMCache, kvbm layerwise in 6 (the default), 4 and 3 layer groups
 #   alone     daemon_layer_loads.py, 418-block (8K) loads through the real daemons without an engine,
 #             --cuda-copy auto (direct) and batch, 2 passes; then the same with 12 CPU-spinning processes
@@ -49,6 +52,9 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
            --json "$R/g2_copy_gap$g.json" >>"$R/gap.log" 2>&1; done ;;
     gputests) python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_copier.py tests/gpu/test_daemon_gpu.py \
                 >"$R/gpu_tests.txt" 2>&1 ;;
+    peers20t|peers8t) W=${s#peers}; W=${W%t}; X=""; [ "$W" = 20 ] && X="$A20"
+              KVBM_CONNECTOR_TRACE=$R/t${W}k_peers_timed.jsonl $T "$R/ttft${W}k_peers_timed.jsonl" \
+                lmcache_timed,ours_layerwise $X $H --timeout 300 --passes 2 >"$R/$s.log" 2>&1 ;;
     groups20) KVBM_CONNECTOR_TRACE=$R/t20k_groups.jsonl $T "$R/ttft20k_groups.jsonl" \
                 lmcache,ours_layerwise,ours_layerwise_g4,ours_layerwise_g3 $A20 $H --timeout 300 --passes 2 \
                 >"$R/groups20.log" 2>&1 ;;

@@ -32,6 +32,9 @@ the row's start time ``t0``:
   last_group   layer-pipelined loads: the last layer group landed, ms after the worker role's call
   settle     layer-pipelined loads: once the forward was enqueued, the wait for the daemon's answer
              (traces from 2026-11-26 seventh session on)
+  lmcache_timed (peer_timing.py): front (to LMCache's lookup), lookup, to_load (lookup ->
+             start_load_kv), load (start_load_kv: LMCache's synchronous copy; load_cpu its CPU),
+             forward / forward_cpu (start_load_kv -> wait_for_save), after (-> the first token)
   forward    the engine's thread from the step's loads sent (synchronous: answered) to its
              ``wait_for_save`` (the forward enqueued); forward_cpu: that thread's CPU time meanwhile
              (much less than ``forward``: it waited, for a layer, the interpreter lock or a CPU)
@@ -111,6 +114,36 @@ def breakdown(rows: list[dict], events: list[dict]) -> list[dict]:
     return out
 
 
+PEER_FIELDS = ("ttft", "front", "lookup", "to_load", "load", "load_cpu", "forward", "forward_cpu", "after")
+
+
+def peer_breakdown(rows: list[dict], events: list[dict]) -> list[dict]:
+    """``lmcache_timed`` (``peer_timing.py``): per warm request, vLLM's front end to the peer's
+    lookup, the lookup, lookup -> ``start_load_kv``, the load in it (wall and CPU), the forward
+    after it (wall and CPU) and the rest of the request."""
+    out = []
+    for r in rows:
+        if r["round"] == 0:
+            continue
+        t0, t1 = r["t0"], r["t0"] + r["ttft_s"]
+        mine = [e for e in events if t0 <= e["t"] <= t1 + 0.002]
+        lookups = [e for e in mine if e["what"] == "peer_lookup"]
+        loads = [e for e in mine if e["what"] == "peer_load"]
+        if not (lookups and loads):
+            continue
+        ld = max(loads, key=lambda e: e["ms"])
+        fwd = [e for e in mine if e["what"] == "peer_forward" and e["t"] >= ld["t"]]
+        first = lookups[0]
+        out.append({"ttft": r["ttft_s"] * 1e3, "front": (first["t"] - first["ms"] / 1e3 - t0) * 1e3,
+                    "lookup": sum(e["ms"] for e in lookups),
+                    "to_load": (ld["t"] - ld["ms"] / 1e3 - lookups[-1]["t"]) * 1e3,
+                    "load": ld["ms"], "load_cpu": ld["cpu_ms"],
+                    "forward": fwd[0]["ms"] if fwd else float("nan"),
+                    "forward_cpu": fwd[0]["cpu_ms"] if fwd else float("nan"),
+                    "after": (t1 - fwd[0]["t"]) * 1e3 if fwd else float("nan")})
+    return out
+
+
 def table(runs: list[dict]) -> None:
     """Per slot: the median over its passes of the warm p50 / p90 (one pass: that pass's)."""
     sums = summarize(runs)
@@ -137,7 +170,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("results")
     ap.add_argument("trace")
-    ap.add_argument("--systems", default="ours,ours_sync,ours_async,ours_layerwise,ours_layerwise_noearly,ours_layerwise_cpuwait,ours_layerwise_g4,ours_layerwise_g3", help="the traced systems to break down")
+    ap.add_argument("--systems", default="ours,ours_sync,ours_async,ours_layerwise,ours_layerwise_noearly,"
+                    "ours_layerwise_cpuwait,ours_layerwise_g4,ours_layerwise_g3,lmcache_timed",
+                    help="the traced systems to break down")
     ap.add_argument("--pass", dest="pass_index", type=int, default=None,
                     help="this pass alone (default: every pass, the breakdown pools their warm requests)")
     args = ap.parse_args()
@@ -153,12 +188,13 @@ def main() -> None:
         for run in mine:
             pid = trace_pid(run, events)
             if pid is not None:
-                parts += breakdown(run["rows"], [e for e in events if e["pid"] == pid])
+                parts += (peer_breakdown if name == "lmcache_timed" else breakdown)(
+                    run["rows"], [e for e in events if e["pid"] == pid])
         if not parts:
             continue
         over = f" over {len(mine)} passes" if len(mine) > 1 else ""
         print(f"\n{name}: {len(parts)} warm requests{over} (median / min / max, ms)")
-        for k in FIELDS:
+        for k in (PEER_FIELDS if name == "lmcache_timed" else FIELDS):
             v = [p[k] for p in parts]
             print(f"  {k:<11} {statistics.median(v):7.1f} {min(v):7.1f} {max(v):7.1f}")
 

@@ -69,7 +69,7 @@ OURS = {"ours": {}, "ours_sync": {"load_mode": "sync"}, "ours_async": {"load_mod
         "ours_layerwise_cpuwait": {"load_mode": "layerwise", "gpu_layer_waits": False},
         "ours_layerwise_g4": {"load_mode": "layerwise", "layer_groups": 4},
         "ours_layerwise_g3": {"load_mode": "layerwise", "layer_groups": 3}}
-SYSTEMS = ("recompute", "baseline", "native", "lmcache", "dynamo", *OURS)
+SYSTEMS = ("recompute", "baseline", "native", "lmcache", "lmcache_timed", "dynamo", *OURS)
 
 
 def system_kwargs(name, g2_gb, pass_index=0):
@@ -85,8 +85,11 @@ def system_kwargs(name, g2_gb, pass_index=0):
                                     "kv_connector_extra_config": {"cpu_bytes_to_use": int(g2_gb * (1 << 30)),
                                                                   "num_cpu_blocks": None}}
         kw["_native_size"] = g2_gb
-    elif name == "lmcache":
-        kw["kv_transfer_config"] = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
+    elif name in ("lmcache", "lmcache_timed"):
+        # lmcache_timed: the same connector, its hooks timed into the connector trace (peer_timing.py)
+        kw["kv_transfer_config"] = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"} \
+            if name == "lmcache" else {"kv_connector": "TimedLMCacheConnectorV1", "kv_role": "kv_both",
+                                       "kv_connector_module_path": "benchmarks.peer_timing"}
         env.update(LMCACHE_LOCAL_CPU="True", LMCACHE_MAX_LOCAL_CPU_SIZE=str(g2_gb), LMCACHE_CHUNK_SIZE="256",
                    LMCACHE_USE_EXPERIMENTAL="True")
     elif name == "dynamo":
