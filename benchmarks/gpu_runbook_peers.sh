@@ -29,6 +29,8 @@
 #   ipcissue  ipc_issue_cost.py: the CPU cost of issuing copies into local vs CUDA-IPC memory
 #   fwd8      8K, eager, 2 passes: LMCache, kvbm layerwise, kvbm synchronous (the engine's forward timed
 #             in the trace: wall and CPU, overlapped with the copy or after it)
+#   probes    wait_kernel_probe.py (LAZY plain / no_mul, EAGER plain: the word written by another thread)
+#             and ipc_event_probe.py (a stream waiting on a dead process's CUDA IPC event)
 #   peers20t  20K, eager, 2 passes: LMCache with its hooks timed (lmcache_timed, peer_timing.py: where
 #             its time goes), kvbm layerwise; then ttft_breakdown.py prints both
 #   peers8t   the same on 8K
@@ -52,6 +54,10 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
            --json "$R/g2_copy_gap$g.json" >>"$R/gap.log" 2>&1; done ;;
     gputests) python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_copier.py tests/gpu/test_daemon_gpu.py \
                 >"$R/gpu_tests.txt" 2>&1 ;;
+    probes) for v in "LAZY plain" "LAZY no_mul" "EAGER plain"; do set -- $v
+              CUDA_MODULE_LOADING=$1 timeout 60 python3 benchmarks/wait_kernel_probe.py $2 >>"$R/probes.log" 2>&1
+            done
+            timeout 120 python3 benchmarks/ipc_event_probe.py --json "$R/ipc_event_probe.json" >>"$R/probes.log" 2>&1 ;;
     peers20t|peers8t) W=${s#peers}; W=${W%t}; X=""; [ "$W" = 20 ] && X="$A20"
               KVBM_CONNECTOR_TRACE=$R/t${W}k_peers_timed.jsonl $T "$R/ttft${W}k_peers_timed.jsonl" \
                 lmcache_timed,ours_layerwise $X $H --timeout 300 --passes 2 >"$R/$s.log" 2>&1 ;;
