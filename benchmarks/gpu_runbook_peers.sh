@@ -31,6 +31,8 @@
 #             in the trace: wall and CPU, overlapped with the copy or after it)
 #   probes    wait_kernel_probe.py (LAZY plain / no_mul, EAGER plain: the word written by another thread)
 #             and ipc_event_probe.py (a stream waiting on a dead process's CUDA IPC event)
+#   staging   staging_scatter.py: a 20K hit's host -> GPU copy into a staging buffer, then device ->
+#             device into the other process's KV cache, against today's direct load (idle / busy)
 #   peers20t  20K, eager, 2 passes: LMCache with its hooks timed (lmcache_timed, peer_timing.py: where
 #             its time goes), kvbm layerwise; then ttft_breakdown.py prints both
 #   peers8t   the same on 8K
@@ -58,6 +60,8 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
               CUDA_MODULE_LOADING=$1 timeout 60 python3 benchmarks/wait_kernel_probe.py $2 >>"$R/probes.log" 2>&1
             done
             timeout 120 python3 benchmarks/ipc_event_probe.py --json "$R/ipc_event_probe.json" >>"$R/probes.log" 2>&1 ;;
+    staging) timeout 300 python3 benchmarks/staging_scatter.py --json "$R/staging_scatter.json" \
+               >"$R/staging.log" 2>&1 ;;
     peers20t|peers8t) W=${s#peers}; W=${W%t}; X=""; [ "$W" = 20 ] && X="$A20"
               KVBM_CONNECTOR_TRACE=$R/t${W}k_peers_timed.jsonl $T "$R/ttft${W}k_peers_timed.jsonl" \
                 lmcache_timed,ours_layerwise $X $H --timeout 300 --passes 2 >"$R/$s.log" 2>&1 ;;

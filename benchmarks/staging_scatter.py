@@ -1,0 +1,168 @@
+"""Would "copy the hit into a GPU staging area as soon as it is matched, scatter it device to device
+once vLLM allocated the blocks" pay? Times the two halves against today's direct load.
+
+    python3 benchmarks/staging_scatter.py [--blocks 1268] [--groups 6] [--reps 5] [--json out.json]
+
+Why (issue 13, "start the copy earlier"): on the H200 a 20K hit's copy starts ~20 ms after the
+request arrived (vLLM's front end 7.8, the lookup 4.9, allocation and dispatch 6.8 ms; README
+"seventh session"); the lookup knows the slots ~14 ms before vLLM's blocks exist. If the host ->
+GPU copy ran into a staging buffer from the lookup on, only a device -> device scatter would be
+left once the blocks are known. This measures, with vLLM's Qwen3-4B block shape (2.25 MiB blocks,
+36 pages of 64 KiB) and the daemon's copier (``--cuda-copy auto``):
+
+* ``direct``: today's load, pinned G2 slots -> the other process's KV cache (CUDA IPC), in
+  ``--groups`` layer groups (one copy per block and group);
+* ``stage``: the same slots -> a staging buffer of this process (one copy per block);
+* ``scatter``: staging -> the other process's KV cache, device to device, per block and group;
+* each with the other process idle and running bf16 matmuls (``busy``: what the engine's forward
+  loses to a scatter, reported as its matmul rate during the copy against alone).
+
+Reports per row the GPU time (events on the copy stream) and the issue's CPU time, medians over
+``--reps``. Not run yet (written in the seventh session, when no device time was left).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from provenance import provenance
+
+from ipc_issue_cost import open_ipc
+from kvbm_worker.cuda_region import check, cudart
+from kvbm_worker.handlers.cuda_copier import CopyMechanism, CudaCopier, Direction
+from kvbm_worker.handlers.pinned import PIN_CHUNK, PinnedHost
+from kvbm_worker.pools import HostPool, SlotGeometry
+
+BLOCK, PAGES = 2304 << 10, 36
+PAGE = BLOCK // PAGES
+
+
+def engine(conn: Any, nbytes: int) -> None:
+    """The other process: owns the KV cache, exports it; on request runs matmuls and reports
+    their rate (TFLOP/s) over the spell."""
+    import ctypes
+    torch.cuda.set_device(0)
+    buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+    handle = check(cudart().cudaIpcGetMemHandle(buf.data_ptr()), "cudaIpcGetMemHandle")
+    conn.send(ctypes.string_at(handle.getPtr(), 64))
+    a = torch.randn(8192, 8192, device="cuda:0", dtype=torch.bfloat16)
+    while True:
+        cmd = conn.recv()
+        if cmd == "stop":
+            return
+        seconds = conn.recv()
+        conn.send("on")
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            for _ in range(4):
+                torch.mm(a, a)
+            torch.cuda.synchronize()
+            n += 4
+        conn.send(2 * 8192 ** 3 * n / (time.perf_counter() - t0) / 1e12)
+
+
+def timed(copier: CudaCopier, src: np.ndarray, dst: np.ndarray, unit: int, host_src: bool) -> tuple[float, float]:
+    """(GPU ms, issue CPU ms) of one batch of ``unit``-byte copies on the load stream."""
+    stream = copier.streams[Direction.H2D]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record(stream)
+    c = time.thread_time()
+    copier._dma(src, dst, unit, host_src, CopyMechanism(copier.mechanism if copier.mechanism != "auto" else "direct"),
+                stream)
+    cpu = (time.thread_time() - c) * 1e3
+    end.record(stream)
+    end.synchronize()
+    return start.elapsed_time(end), cpu
+
+
+def grouped(src_base: np.ndarray, dst_base: np.ndarray, groups: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """Per group, per block: the group's pages (one run per block and group), groups outermost."""
+    bounds = [(g * PAGES // groups, (g + 1) * PAGES // groups) for g in range(groups)]
+    s = np.concatenate([src_base + lo * PAGE for lo, _ in bounds])
+    d = np.concatenate([dst_base + lo * PAGE for lo, _ in bounds])
+    sizes = [(hi - lo) * PAGE for lo, hi in bounds]
+    return s, d, sizes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--blocks", type=int, default=1268)
+    ap.add_argument("--groups", type=int, default=6)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    n = args.blocks
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=engine, args=(child, 2 * n * BLOCK), daemon=True)
+    proc.start()
+    torch.cuda.set_device(0)
+    check(cudart().cudaSetDevice(0), "cudaSetDevice")
+    host = HostPool(SlotGeometry.of(BLOCK, 2 * n))
+    host.commit()
+    pinned = PinnedHost(0)
+    pinned.pin(host.address, host.buffer.nbytes, PIN_CHUNK)
+    copier = CudaCopier(0, pinned)
+    staging = torch.empty(n * BLOCK, dtype=torch.uint8, device="cuda:0")
+    kv = open_ipc(parent.recv())
+    rng = np.random.default_rng(0)
+    slots = host.address + np.sort(rng.choice(2 * n, n, replace=False)).astype(np.int64) * BLOCK
+    blocks = kv + rng.permutation(2 * n)[:n].astype(np.int64) * BLOCK  # vLLM's blocks, scattered
+    stage_at = staging.data_ptr() + np.arange(n, dtype=np.int64) * BLOCK
+    rows: list[dict[str, Any]] = []
+    parent.send("spell")
+    parent.send(3.0)
+    parent.recv()
+    alone = parent.recv()  # the matmul rate with nothing else on the GPU
+    try:
+        for busy in (False, True):
+            for what in ("direct", "stage", "scatter"):
+                gpu, cpu = [], []
+                if busy:
+                    parent.send("spell")
+                    parent.send(2.0)
+                    parent.recv()
+                t_end = time.perf_counter() + (1.8 if busy else 0)
+                while len(gpu) < args.reps or time.perf_counter() < t_end:
+                    if what == "stage":
+                        g, c = timed(copier, slots, stage_at, BLOCK, True)
+                    else:
+                        src = slots if what == "direct" else stage_at
+                        s, d, sizes = grouped(src, blocks, args.groups)
+                        g = c = 0.0
+                        per = len(s) // args.groups
+                        for k, size in enumerate(sizes):  # one batch per group, as the lane's pieces
+                            gk, ck = timed(copier, s[k * per:(k + 1) * per], d[k * per:(k + 1) * per], size,
+                                           what == "direct")
+                            g, c = g + gk, c + ck
+                    gpu.append(g)
+                    cpu.append(c)
+                row: dict[str, Any] = {"busy": busy, "what": what, "blocks": n, "groups": args.groups,
+                                       "gpu_ms": round(statistics.median(gpu), 2),
+                                       "issue_cpu_ms": round(statistics.median(cpu), 2)}
+                if busy:
+                    row["matmul_tflops"] = round(parent.recv(), 1)
+                    row["matmul_alone_tflops"] = round(alone, 1)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    finally:
+        parent.send("stop")
+        proc.join(10)
+        copier.close()
+        pinned.close()
+        host.close()
+    if args.json:
+        args.json.write_text(json.dumps({"provenance": provenance(), "args": vars(args) | {"json": str(args.json)},
+                                         "device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
