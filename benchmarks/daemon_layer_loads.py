@@ -38,6 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+from gpu_bench import Hogs
 from provenance import provenance
 
 from kvbm_client import KvbmClient
@@ -86,30 +87,6 @@ class Busy:
     def close(self) -> None:
         self.stop.set()
         self.thread.join()
-
-
-def _spin(stop) -> None:
-    x = 0
-    while not stop.is_set():
-        for _ in range(100000):
-            x += 1
-
-
-class Hogs:
-    """``n`` processes spinning on the CPU until :meth:`close` (the engine's busy processes)."""
-
-    def __init__(self, n: int) -> None:
-        import multiprocessing
-        ctx = multiprocessing.get_context("spawn")
-        self.stop = ctx.Event()
-        self.procs = [ctx.Process(target=_spin, args=(self.stop,), daemon=True) for _ in range(n)]
-        for p in self.procs:
-            p.start()
-
-    def close(self) -> None:
-        self.stop.set()
-        for p in self.procs:
-            p.join()
 
 
 def daemon_rows(log: Path) -> list[dict]:

@@ -24,24 +24,20 @@ from typing import Any
 
 import numpy as np
 import torch
-from provenance import provenance
+from gpu_bench import export_ipc, open_ipc, pinned_copier, write_result
 
 from kvbm_worker.cuda_region import check, cudart
 from kvbm_worker.handlers.cuda_copier import CopyMechanism, CudaCopier, Direction
-from kvbm_worker.handlers.pinned import PIN_CHUNK, PinnedHost
-from kvbm_worker.pools import HostPool, SlotGeometry
+from kvbm_worker.pools import HostPool
 
 SLOT = 2304 << 10
 
 
 def engine(conn: Any, nbytes: int) -> None:
     """The other process: owns the memory, exports it, then idles or runs matmuls on request."""
-    import ctypes
     torch.cuda.set_device(0)
     buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
-    rt = cudart()
-    handle = check(rt.cudaIpcGetMemHandle(buf.data_ptr()), "cudaIpcGetMemHandle")
-    conn.send(ctypes.string_at(handle.getPtr(), 64))
+    conn.send(export_ipc(buf.data_ptr()))
     a = torch.randn(4096, 4096, device="cuda:0", dtype=torch.bfloat16)
     while True:
         cmd = conn.recv()
@@ -54,14 +50,6 @@ def engine(conn: Any, nbytes: int) -> None:
                 for _ in range(20):
                     a = (a @ a).clamp_(-1, 1)
                 torch.cuda.synchronize()
-
-
-def open_ipc(handle: bytes) -> int:
-    import ctypes
-    rt = cudart()
-    mem = rt.cudaIpcMemHandle_t()
-    ctypes.memmove(mem.getPtr(), handle, 64)
-    return int(check(rt.cudaIpcOpenMemHandle(mem, rt.cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle"))
 
 
 def run(copier: CudaCopier, host: HostPool, dst_base: int, n: int, size: int, mech: str, reps: int,
@@ -102,42 +90,32 @@ def main() -> None:
     proc.start()
     torch.cuda.set_device(0)
     check(cudart().cudaSetDevice(0), "cudaSetDevice")  # (cuda-python's runtime: the lane's _enter_lane does this)
-    host = HostPool(SlotGeometry.of(SLOT, (8 << 30) // SLOT))
-    host.commit()
-    pinned = PinnedHost(0)
-    pinned.pin(host.address, host.buffer.nbytes, PIN_CHUNK)
-    copier = CudaCopier(0, pinned)
-    local = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
-    ipc = open_ipc(parent.recv())
-    rng = np.random.default_rng(0)
-    rows = []
-    try:
-        for busy in (False, True):
-            for where, base in (("local", local.data_ptr()), ("ipc", ipc)):
-                for mech in ("direct", "batch", "runs"):
-                    if busy:
-                        parent.send("busy")
-                        parent.send(3.0)
-                        parent.recv()
-                    row: dict[str, Any] = {"engine_busy": busy, "destination": where}
-                    try:
-                        row |= run(copier, host, base, n, size, mech, args.reps, rng)
-                    except Exception as exc:  # (recorded: the other rows still run)
-                        row |= {"mechanism": mech, "error": str(exc)}
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
-                    if busy:
-                        time.sleep(3.0)  # (let the busy spell end before the next row's own)
-    finally:
-        parent.send("stop")
-        proc.join(10)
-        copier.close()
-        pinned.close()
-        host.close()
-    if args.json:
-        args.json.write_text(json.dumps({"provenance": provenance(), "args": vars(args) | {"json": str(args.json)},
-                                         "device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
-
+    with pinned_copier(SLOT, (8 << 30) // SLOT) as (host, copier):
+        local = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+        ipc = open_ipc(parent.recv())
+        rng = np.random.default_rng(0)
+        rows = []
+        try:
+            for busy in (False, True):
+                for where, base in (("local", local.data_ptr()), ("ipc", ipc)):
+                    for mech in ("direct", "batch", "runs"):
+                        if busy:
+                            parent.send("busy")
+                            parent.send(3.0)
+                            parent.recv()
+                        row: dict[str, Any] = {"engine_busy": busy, "destination": where}
+                        try:
+                            row |= run(copier, host, base, n, size, mech, args.reps, rng)
+                        except Exception as exc:  # (recorded: the other rows still run)
+                            row |= {"mechanism": mech, "error": str(exc)}
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
+                        if busy:
+                            time.sleep(3.0)  # (let the busy spell end before the next row's own)
+        finally:
+            parent.send("stop")
+            proc.join(10)
+    write_result(args.json, args, rows)
 
 if __name__ == "__main__":
     main()

@@ -18,27 +18,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import statistics
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
-from provenance import provenance
+from gpu_bench import Hogs, pinned_copier, write_result
 
 from kvbm_worker.handlers.cuda_copier import CopyMechanism, CudaCopier, Direction
-from kvbm_worker.handlers.pinned import PIN_CHUNK, PinnedHost
-from kvbm_worker.pools import HostPool, SlotGeometry
+from kvbm_worker.pools import HostPool
 
 COPY_SIZES = (64 << 10, 384 << 10, 720 << 10, 2304 << 10)  # a page, the 6-group and 11-page group runs, a block
-
-
-def spin(stop) -> None:  # a CPU hog
-    x = 0
-    while not stop.is_set():
-        for _ in range(100000):
-            x += 1
 
 
 def run(copier: CudaCopier, host: HostPool, dev, piece: int, size: int, mech: str, reps: int,
@@ -77,40 +68,23 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     piece = args.piece_mb << 20
-    host = HostPool(SlotGeometry.of(2304 << 10, (12 << 30) // (2304 << 10)))
-    host.commit()
-    pinned = PinnedHost(0)
-    pinned.pin(host.address, host.buffer.nbytes, PIN_CHUNK)
-    copier = CudaCopier(0, pinned)
-    dev = torch.empty(4 * piece, dtype=torch.uint8, device="cuda:0")
     rng = np.random.default_rng(0)
     rows = []
-    try:
-        for hogs in [int(h) for h in args.hog.split(",")]:
-            stop = multiprocessing.Event()
-            procs = [multiprocessing.Process(target=spin, args=(stop,), daemon=True) for _ in range(hogs)]
-            for p in procs:
-                p.start()
+    with pinned_copier(2304 << 10, (12 << 30) // (2304 << 10)) as (host, copier):
+        dev = torch.empty(4 * piece, dtype=torch.uint8, device="cuda:0")
+        for n in [int(h) for h in args.hog.split(",")]:
+            hogs = Hogs(n)
             try:
                 for size in (*COPY_SIZES, piece):
                     for mech in ("batch", "runs"):
                         if mech == "runs" and piece // size > 4096:
                             continue
-                        row = {"hog_processes": hogs, **run(copier, host, dev, piece, size, mech, args.reps, rng)}
+                        row = {"hog_processes": n, **run(copier, host, dev, piece, size, mech, args.reps, rng)}
                         rows.append(row)
                         print(json.dumps(row), flush=True)
             finally:
-                stop.set()
-                for p in procs:
-                    p.join()
-    finally:
-        copier.close()
-        pinned.close()
-        host.close()
-    if args.json:
-        args.json.write_text(json.dumps({"provenance": provenance(), "args": vars(args) | {"json": str(args.json)},
-                                         "device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
-
+                hogs.close()
+    write_result(args.json, args, rows)
 
 if __name__ == "__main__":
     main()

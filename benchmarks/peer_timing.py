@@ -22,9 +22,19 @@ of those it does not pay. ``ttft_breakdown.py`` prints these per warm request.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 from kvbm_client.connectors.core.tracing import trace, tracing
+
+
+def _timed(what: str, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``call(*args, **kwargs)``, its wall time traced as ``what`` (ms) however it ends."""
+    t0 = time.perf_counter()
+    try:
+        return call(*args, **kwargs)
+    finally:
+        if tracing():
+            trace(what, ms=round((time.perf_counter() - t0) * 1e3, 3))
 
 
 class TimedHooks:
@@ -33,20 +43,10 @@ class TimedHooks:
     _forward_from: tuple[float, float] | None = None
 
     def get_num_new_matched_tokens(self, *args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return super().get_num_new_matched_tokens(*args, **kwargs)  # type: ignore[misc]
-        finally:
-            if tracing():
-                trace("peer_lookup", ms=round((time.perf_counter() - t0) * 1e3, 3))
+        return _timed("peer_lookup", super().get_num_new_matched_tokens, *args, **kwargs)  # type: ignore[misc]
 
     def build_connector_meta(self, *args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return super().build_connector_meta(*args, **kwargs)  # type: ignore[misc]
-        finally:
-            if tracing():
-                trace("peer_meta", ms=round((time.perf_counter() - t0) * 1e3, 3))
+        return _timed("peer_meta", super().build_connector_meta, *args, **kwargs)  # type: ignore[misc]
 
     def start_load_kv(self, *args: Any, **kwargs: Any) -> Any:
         t0, c0 = time.perf_counter(), time.thread_time()
@@ -63,11 +63,7 @@ class TimedHooks:
         t0, c0 = time.perf_counter(), time.thread_time()
         if since is not None and tracing():
             trace("peer_forward", ms=round((t0 - since[0]) * 1e3, 3), cpu_ms=round((c0 - since[1]) * 1e3, 3))
-        try:
-            return super().wait_for_save(*args, **kwargs)  # type: ignore[misc]
-        finally:
-            if tracing():
-                trace("peer_save", ms=round((time.perf_counter() - t0) * 1e3, 3))
+        return _timed("peer_save", super().wait_for_save, *args, **kwargs)  # type: ignore[misc]
 
 
 def timed(base: type) -> type:

@@ -32,13 +32,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from provenance import provenance
+from gpu_bench import export_ipc, open_ipc, pinned_copier, write_result
 
-from ipc_issue_cost import open_ipc
 from kvbm_worker.cuda_region import check, cudart
 from kvbm_worker.handlers.cuda_copier import CopyMechanism, CudaCopier, Direction
-from kvbm_worker.handlers.pinned import PIN_CHUNK, PinnedHost
-from kvbm_worker.pools import HostPool, SlotGeometry
 
 BLOCK, PAGES = 2304 << 10, 36
 PAGE = BLOCK // PAGES
@@ -47,11 +44,9 @@ PAGE = BLOCK // PAGES
 def engine(conn: Any, nbytes: int) -> None:
     """The other process: owns the KV cache, exports it; on request runs matmuls and reports
     their rate (TFLOP/s) over the spell."""
-    import ctypes
     torch.cuda.set_device(0)
     buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
-    handle = check(cudart().cudaIpcGetMemHandle(buf.data_ptr()), "cudaIpcGetMemHandle")
-    conn.send(ctypes.string_at(handle.getPtr(), 64))
+    conn.send(export_ipc(buf.data_ptr()))
     a = torch.randn(8192, 8192, device="cuda:0", dtype=torch.bfloat16)
     while True:
         cmd = conn.recv()
@@ -106,62 +101,53 @@ def main() -> None:
     proc.start()
     torch.cuda.set_device(0)
     check(cudart().cudaSetDevice(0), "cudaSetDevice")
-    host = HostPool(SlotGeometry.of(BLOCK, 2 * n))
-    host.commit()
-    pinned = PinnedHost(0)
-    pinned.pin(host.address, host.buffer.nbytes, PIN_CHUNK)
-    copier = CudaCopier(0, pinned)
-    staging = torch.empty(n * BLOCK, dtype=torch.uint8, device="cuda:0")
-    kv = open_ipc(parent.recv())
-    rng = np.random.default_rng(0)
-    slots = host.address + np.sort(rng.choice(2 * n, n, replace=False)).astype(np.int64) * BLOCK
-    blocks = kv + rng.permutation(2 * n)[:n].astype(np.int64) * BLOCK  # vLLM's blocks, scattered
-    stage_at = staging.data_ptr() + np.arange(n, dtype=np.int64) * BLOCK
-    rows: list[dict[str, Any]] = []
-    parent.send("spell")
-    parent.send(3.0)
-    parent.recv()
-    alone = parent.recv()  # the matmul rate with nothing else on the GPU
-    try:
-        for busy in (False, True):
-            for what in ("direct", "stage", "scatter"):
-                gpu, cpu = [], []
-                if busy:
-                    parent.send("spell")
-                    parent.send(2.0)
-                    parent.recv()
-                t_end = time.perf_counter() + (1.8 if busy else 0)
-                while len(gpu) < args.reps or time.perf_counter() < t_end:
-                    if what == "stage":
-                        g, c = timed(copier, slots, stage_at, BLOCK, True)
-                    else:
-                        src = slots if what == "direct" else stage_at
-                        s, d, sizes = grouped(src, blocks, args.groups)
-                        g = c = 0.0
-                        per = len(s) // args.groups
-                        for k, size in enumerate(sizes):  # one batch per group, as the lane's pieces
-                            gk, ck = timed(copier, s[k * per:(k + 1) * per], d[k * per:(k + 1) * per], size,
-                                           what == "direct")
-                            g, c = g + gk, c + ck
-                    gpu.append(g)
-                    cpu.append(c)
-                row: dict[str, Any] = {"busy": busy, "what": what, "blocks": n, "groups": args.groups,
-                                       "gpu_ms": round(statistics.median(gpu), 2),
-                                       "issue_cpu_ms": round(statistics.median(cpu), 2)}
-                if busy:
-                    row["matmul_tflops"] = round(parent.recv(), 1)
-                    row["matmul_alone_tflops"] = round(alone, 1)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-    finally:
-        parent.send("stop")
-        proc.join(10)
-        copier.close()
-        pinned.close()
-        host.close()
-    if args.json:
-        args.json.write_text(json.dumps({"provenance": provenance(), "args": vars(args) | {"json": str(args.json)},
-                                         "device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+    with pinned_copier(BLOCK, 2 * n) as (host, copier):
+        staging = torch.empty(n * BLOCK, dtype=torch.uint8, device="cuda:0")
+        kv = open_ipc(parent.recv())
+        rng = np.random.default_rng(0)
+        slots = host.address + np.sort(rng.choice(2 * n, n, replace=False)).astype(np.int64) * BLOCK
+        blocks = kv + rng.permutation(2 * n)[:n].astype(np.int64) * BLOCK  # vLLM's blocks, scattered
+        stage_at = staging.data_ptr() + np.arange(n, dtype=np.int64) * BLOCK
+        rows: list[dict[str, Any]] = []
+        parent.send("spell")
+        parent.send(3.0)
+        parent.recv()
+        alone = parent.recv()  # the matmul rate with nothing else on the GPU
+        try:
+            for busy in (False, True):
+                for what in ("direct", "stage", "scatter"):
+                    gpu, cpu = [], []
+                    if busy:
+                        parent.send("spell")
+                        parent.send(2.0)
+                        parent.recv()
+                    t_end = time.perf_counter() + (1.8 if busy else 0)
+                    while len(gpu) < args.reps or time.perf_counter() < t_end:
+                        if what == "stage":
+                            g, c = timed(copier, slots, stage_at, BLOCK, True)
+                        else:
+                            src = slots if what == "direct" else stage_at
+                            s, d, sizes = grouped(src, blocks, args.groups)
+                            g = c = 0.0
+                            per = len(s) // args.groups
+                            for k, size in enumerate(sizes):  # one batch per group, as the lane's pieces
+                                gk, ck = timed(copier, s[k * per:(k + 1) * per], d[k * per:(k + 1) * per], size,
+                                               what == "direct")
+                                g, c = g + gk, c + ck
+                        gpu.append(g)
+                        cpu.append(c)
+                    row: dict[str, Any] = {"busy": busy, "what": what, "blocks": n, "groups": args.groups,
+                                           "gpu_ms": round(statistics.median(gpu), 2),
+                                           "issue_cpu_ms": round(statistics.median(cpu), 2)}
+                    if busy:
+                        row["matmul_tflops"] = round(parent.recv(), 1)
+                        row["matmul_alone_tflops"] = round(alone, 1)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+        finally:
+            parent.send("stop")
+            proc.join(10)
+    write_result(args.json, args, rows)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from typing import Callable, Iterator
 
 from peer_passes import slots, summarize, summary_line
 
@@ -81,14 +82,21 @@ def trace_pid(run: dict, events: list[dict]) -> int | None:
     return max(counts, key=lambda pid: counts[pid]) if counts else None
 
 
-def breakdown(rows: list[dict], events: list[dict]) -> list[dict]:
-    out = []
+def warm_requests(rows: list[dict], events: list[dict]
+                  ) -> Iterator[tuple[dict, float, float, Callable[[str], list[dict]]]]:
+    """Each warm request (a round after the first): its row, when it was sent and answered, and
+    ``pick(what)``: its ``what`` events (those traced while it was served)."""
     for r in rows:
         if r["round"] == 0:
             continue
         t0, t1 = r["t0"], r["t0"] + r["ttft_s"]
         mine = [e for e in events if t0 <= e["t"] <= t1 + 0.002]
-        pick = lambda what: [e for e in mine if e["what"] == what]  # noqa: E731
+        yield r, t0, t1, lambda what, mine=mine: [e for e in mine if e["what"] == what]
+
+
+def breakdown(rows: list[dict], events: list[dict]) -> list[dict]:
+    out = []
+    for r, t0, t1, pick in warm_requests(rows, events):
         lookups, loads, finished = pick("prepare_load"), pick("load"), pick("finished")
         if not (lookups and loads and finished):
             continue
@@ -122,17 +130,12 @@ def peer_breakdown(rows: list[dict], events: list[dict]) -> list[dict]:
     lookup, the lookup, lookup -> ``start_load_kv``, the load in it (wall and CPU), the forward
     after it (wall and CPU) and the rest of the request."""
     out = []
-    for r in rows:
-        if r["round"] == 0:
-            continue
-        t0, t1 = r["t0"], r["t0"] + r["ttft_s"]
-        mine = [e for e in events if t0 <= e["t"] <= t1 + 0.002]
-        lookups = [e for e in mine if e["what"] == "peer_lookup"]
-        loads = [e for e in mine if e["what"] == "peer_load"]
+    for r, t0, t1, pick in warm_requests(rows, events):
+        lookups, loads = pick("peer_lookup"), pick("peer_load")
         if not (lookups and loads):
             continue
         ld = max(loads, key=lambda e: e["ms"])
-        fwd = [e for e in mine if e["what"] == "peer_forward" and e["t"] >= ld["t"]]
+        fwd = [e for e in pick("peer_forward") if e["t"] >= ld["t"]]
         first = lookups[0]
         out.append({"ttft": r["ttft_s"] * 1e3, "front": (first["t"] - first["ms"] / 1e3 - t0) * 1e3,
                     "lookup": sum(e["ms"] for e in lookups),

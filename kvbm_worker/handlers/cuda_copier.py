@@ -26,9 +26,10 @@ Everything CUDA is imported lazily: this module imports on a machine without CUD
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -145,7 +146,7 @@ class CudaCopier:
         torch.cuda.set_device(self.device)
         check(cudart().cudaSetDevice(self.device), "cudaSetDevice")
         stream = self.streams[direction]
-        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+        with self._torch_on(stream):
             dev = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{self.device}")
             host = None
             if direction is Direction.D2H or host_src is None:
@@ -157,21 +158,24 @@ class CudaCopier:
             mech = CopyMechanism.DIRECT if self._direct is not None else \
                 CopyMechanism.BATCH if self._attr is not None else CopyMechanism.RUNS
             self._issue(src, dst, np.array([half, half]), mech, stream)
-            event = _event()
-            event.record(stream)
-            event.synchronize()
+            self._record(stream).synchronize()
             del host, dev
 
     # ------------------------------------------------------------------ entry
     def mark(self, direction: str) -> Any:
         """A timing event recorded now on ``direction``'s stream (for ``copy(..., timed=True)``'s
         ``elapsed_time``: the GPU's own account of when a copy landed)."""
-        stream = self.streams[Direction(direction)]
+        return self._record(self.streams[Direction(direction)], timed=True)
+
+    def _record(self, stream: Any, timed: bool = False) -> Any:
+        """A CUDA event recorded now on ``stream``: one of the direct calls' where they are in
+        use (so that every event of this copier is of one kind: ``elapsed_time`` pairs them),
+        else torch's. ``timed``: usable in ``elapsed_time``."""
         if self._direct is not None:
-            raw = self._direct.event(True)
+            raw = self._direct.event(timed)
             raw.record(stream.cuda_stream)
             return raw
-        event = _event(True)
+        event = _event(timed)
         event.record(stream)
         return event
 
@@ -191,9 +195,7 @@ class CudaCopier:
         rt = cudart()
         check(rt.cudaMemcpyAsync(address, self._words.data_ptr() + 8 * i, 4, rt.cudaMemcpyKind.cudaMemcpyDefault,
                                  stream.cuda_stream), "cudaMemcpyAsync (signal word)")
-        event = _event()
-        event.record(stream)
-        return event
+        return self._record(stream)
 
     def copy(self, direction: str, region: CudaEngineRegion, blocks: Sequence[int] | Addrs, host_addrs: Addrs,
              wait: bool = True, mechanism: str | None = None, pages: tuple[int, int] | None = None,
@@ -202,7 +204,6 @@ class CudaCopier:
         layer by layer); H2D: the reverse. ``pages``: only the pages ``[lo, hi)`` of each block
         (direct DMA: a gather falls back to it). Returns the CUDA event of completion (``timed``:
         a timing one, see :meth:`mark`)."""
-        import torch
         direction = Direction(direction)
         ids = EngineBlocks(np.asarray(blocks, dtype=np.int64))
         host_addrs = np.asarray(host_addrs, dtype=np.int64)
@@ -211,26 +212,24 @@ class CudaCopier:
         if pages is not None and mech is CopyMechanism.GATHER:
             mech = CopyMechanism.BATCH if self._batch_ok is not False else CopyMechanism.RUNS
         self.last_mechanism = mech.value
-        if mech is CopyMechanism.DIRECT and self._direct is not None:
-            # no device or stream context: the calls name the stream, the lane's thread its device
-            src, dst = self._pages(direction, region, ids, host_addrs, pages)
-            self._dma(src, dst, region.page_bytes, direction is Direction.H2D, mech, stream)
-            raw = self._direct.event(timed)
-            raw.record(stream.cuda_stream)
-            if wait:
-                raw.synchronize()
-            return raw
-        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+        # the direct calls name their stream: no torch device or stream context to enter per piece
+        with contextlib.nullcontext() if mech is CopyMechanism.DIRECT else self._torch_on(stream):
             if mech is CopyMechanism.GATHER:
                 self._gather(direction, region, ids, host_addrs, stream)
             else:
                 src, dst = self._pages(direction, region, ids, host_addrs, pages)
                 self._dma(src, dst, region.page_bytes, direction is Direction.H2D, mech, stream)
-            event = _event(timed)
-            event.record(stream)
+        event = self._record(stream, timed)
         if wait:
             event.synchronize()
         return event
+
+    @contextlib.contextmanager
+    def _torch_on(self, stream: Any) -> Iterator[None]:
+        """torch's device and current stream set to this copier's and ``stream``."""
+        import torch
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            yield
 
     def _choose(self, region: CudaEngineRegion, blocks: EngineBlocks, host_addrs: Addrs,
                 mech: CopyMechanism) -> CopyMechanism:
