@@ -4,7 +4,7 @@ once vLLM allocated the blocks" pay? Times the two halves against today's direct
     python3 benchmarks/staging_scatter.py [--blocks 1268] [--groups 6] [--reps 5] [--json out.json]
 
 Why (issue 13, "start the copy earlier"): on the H200 a 20K hit's copy starts ~20 ms after the
-request arrived (vLLM's front end 7.8, the lookup 4.9, allocation and dispatch 6.8 ms; README
+request arrived (one machine's medians: vLLM's front end 7.8, the lookup 4.9, allocation and dispatch 6.8 ms; README
 "seventh session"); the lookup knows the slots ~14 ms before vLLM's blocks exist. If the host ->
 GPU copy ran into a staging buffer from the lookup on, only a device -> device scatter would be
 left once the blocks are known. This measures, with vLLM's Qwen3-4B block shape (2.25 MiB blocks,
