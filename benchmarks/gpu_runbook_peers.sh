@@ -44,6 +44,12 @@
 #             (gpu_layer_waits false). NOTE: with KVBM_EAGER=1 vLLM 0.26 did not start in 300 s (H200)
 #   waits8    the same on 8K: LMCache, Dynamo, kvbm layerwise, kvbm layerwise with CPU waits
 #   greedyg   max_tokens=8 outputs, kvbm layerwise against vLLM alone, CUDA graphs
+#   lazy20    20K, eager, 2 passes: LMCache with its hooks timed, kvbm layerwise (under CUDA's default
+#             lazy module loading its layer waits stay on the CPU), kvbm layerwise with GPU layer waits
+#             under lazy loading (ours_layerwise_gpuwait: gpu_layer_waits true)
+#   lazy8     the same on 8K
+#   stresslazy  the stress step with GPU layer waits under lazy loading (gpu_layer_waits true)
+#   greedylazy  greedyg with GPU layer waits under lazy loading
 # Earlier sessions' runs (other steps, other systems) are recorded in their result files' argv.
 . benchmarks/gpu_runbook_env.sh  # set -u, $R, step, A20, G8
 T=benchmarks/vllm_gpu_ttft.sh
@@ -85,6 +91,15 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
                lmcache,ours_layerwise,ours_layerwise_cpuwait $A20 $H --timeout 300 --passes 2 >"$R/waits20.log" 2>&1 ;;
     waits8) KVBM_CONNECTOR_TRACE=$R/t8k_waits.jsonl $T "$R/ttft8k_waits.jsonl" \
                lmcache,dynamo,ours_layerwise,ours_layerwise_cpuwait $H --timeout 300 --passes 2 >"$R/waits8.log" 2>&1 ;;
+    lazy20|lazy8) W=${s#lazy}; X=""; [ "$W" = 20 ] && X="$A20"
+              KVBM_CONNECTOR_TRACE=$R/t${W}k_lazy.jsonl $T "$R/ttft${W}k_lazy.jsonl" \
+                lmcache_timed,ours_layerwise,ours_layerwise_gpuwait $X $H --timeout 300 --passes 2 >"$R/$s.log" 2>&1 ;;
+    stresslazy) python3 -m tests.stress.run --users 12 --turns 3 --gpu 0 --async-scheduling on --block-size 16 \
+              --dtype float32 --load-mode layerwise --kvbm-extra '{"gpu_layer_waits": true}' --passes none \
+              --skip-baseline-check --timeout 240 --work /tmp/sw --out "$R/stress_lazy_gpuwait.json" \
+              >"$R/stresslazy.log" 2>&1 ;;
+    greedylazy) $T "$R/greedy8_gpuwait_graphs.jsonl" baseline,ours_layerwise_gpuwait $G8 --cuda-graphs --timeout 600 \
+               >"$R/greedylazy.log" 2>&1 ;;
     greedyg) $T "$R/greedy8_layerwise_graphs.jsonl" baseline,ours_layerwise $G8 --cuda-graphs --timeout 600 \
                >"$R/greedyg.log" 2>&1 ;;
     copy) python3 benchmarks/g2_copy_path.py --json "$R/g2_copy_path.json" >"$R/copy.log" 2>&1 ;;

@@ -4,13 +4,15 @@ is written, when the kernel after it on the stream was never launched before in 
     CUDA_MODULE_LOADING=LAZY  python3 benchmarks/wait_kernel_probe.py plain|no_mul
     CUDA_MODULE_LOADING=EAGER python3 benchmarks/wait_kernel_probe.py plain
 
-One process per line (the loading mode is fixed when CUDA starts; ``enable_gpu`` refuses GPU
-waits under lazy loading, so the probe forces them on). ``plain``: the wait, then ``x * 2`` (a
-kernel loaded only now, under lazy loading) on the same stream; ``no_mul``: the wait alone. The
-word is written 0.2 s after the launches by another thread, as the daemon (another process)
-writes it, independently of the engine's thread. Prints whether the stream passed the wait
-before its word was written (checked by the writer right before it writes), how long the
-launches held the launching thread, what the wait kernel read last and how long it waited.
+One process per line (the loading mode is fixed when CUDA starts; the probe enables GPU waits
+with ``lazy_loading=True``, as ``gpu_layer_waits: true`` does). ``plain``: the wait, a 4-byte
+device -> host copy of a "done" word into the signal page, then ``x * 2`` (a kernel loaded only
+now, under lazy loading) on the same stream; ``no_mul``: without ``x * 2``. The word is written
+0.2 s after the launches began by another *process* (as the daemon writes it: neither the
+launching thread nor the interpreter lock it may hold in a launch can delay it), which first
+reads the "done" word: set means the stream passed the wait before its word was written. Prints
+that, how long the launches held the launching thread, what the wait kernel read last and how
+long it waited (a wait that ran into its 2 s limit read less than the word's value).
 
 Measured 2026-11-26 (sixth session) on an H200 VM (driver 580, torch 2.11+cu130), with an
 earlier version of this probe that wrote the word from the launching thread itself: LAZY plain:
@@ -20,57 +22,66 @@ kernel's module may need a context synchronization, which waits for the spinning
 so the launch of ``x * 2`` held the launching thread until the wait kernel gave up at its limit,
 and the word, written by that same thread afterwards, came too late: a self-deadlock of the probe
 broken by the limit, not a stream passing its wait. With the word written by someone else (the
-daemon, in kvbm) the launch would only wait for the word. This version tests that; not run yet
-(no device time was left). Until it has run (and vLLM with GPU waits under lazy loading has been
-checked), GPU layer waits stay limited to CUDA_MODULE_LOADING=EAGER.
+daemon, in kvbm) the launch would only wait for the word. This version tests that, with the word
+written by another process (the seventh session's version wrote it from another thread, which
+would again need the interpreter lock that a held launch from Python keeps). Until it has run
+(and vLLM with GPU waits under lazy loading has been checked), ``gpu_layer_waits`` defaults to
+"eager": GPU layer waits only under CUDA_MODULE_LOADING=EAGER.
 """
+import json
+import subprocess
 import sys
 import time
 
 import torch
+from cuda.bindings import runtime
 
 from kvbm_client.signal_page import EngineSignals
+
+WRITER = """
+import json, mmap, struct, sys, time
+fd, slot, value, done_slot, delay = (int(a) for a in sys.argv[1:6])
+page = mmap.mmap(fd, 4096, flags=mmap.MAP_SHARED)
+print("ready", flush=True)
+sys.stdin.readline()  # the launches begin
+time.sleep(delay / 1000)
+done = struct.unpack_from("<I", page, 4 * done_slot)[0]
+struct.pack_into("<I", page, 4 * slot, value)
+print(json.dumps({"done_before_word": done}), flush=True)
+"""
 
 variant = sys.argv[1] if len(sys.argv) > 1 else "plain"
 torch.cuda.init()
 signals = EngineSignals()
-why = signals.enable_gpu(0)
-if why is not None and "EAGER" in why:  # force them on under lazy loading, to show why they are off
-    from kvbm_client.signal_page import _wait_kernel
-    from cuda.bindings import driver, runtime
-    addr = int(signals.words.ctypes.data)
-    runtime.cudaHostRegister(addr, 4096, runtime.cudaHostRegisterMapped | runtime.cudaHostRegisterPortable)
-    signals.device_ptr, signals._driver = int(runtime.cudaHostGetDevicePointer(addr, 0)[1]), driver
-    signals._image, signals._module, signals._kernel = _wait_kernel(driver, 0)
-    signals._seen = torch.zeros(2 * 1024, dtype=torch.int64, device="cuda")
-elif why is not None:
+why = signals.enable_gpu(0, lazy_loading=True)
+if why is not None:
     raise SystemExit(why)
-signal = signals.take(8)
+signal, done = signals.take(8), signals.take(8)
+signals.words[done.slot] = 0
+one = torch.ones(1, dtype=torch.int32, device="cuda")
 x = torch.ones(1 << 20, device="cuda")
 stream = torch.cuda.Stream()
-mark = torch.cuda.Event()
-seen: dict[str, object] = {}
-
-
-def writer() -> None:  # the daemon's part: the word, 0.2 s after the launches began
-    time.sleep(0.2)
-    seen["early"] = mark.query()  # (the launching thread may still be held in a lazy load)
-    signals.words[signal.slot] = signal.base + 5
-
-
-import threading  # noqa: E402
-
-thread = threading.Thread(target=writer)
+torch.cuda.synchronize()
+writer = subprocess.Popen([sys.executable, "-c", WRITER, str(signals.fd), str(signal.slot), str(signal.base + 5),
+                           str(done.slot), "200"], pass_fds=(signals.fd,), stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True)
+assert writer.stdout is not None and writer.stdin is not None
+assert writer.stdout.readline().strip() == "ready"
+writer.stdin.write("go\n")
+writer.stdin.flush()
 t0 = time.monotonic()
-thread.start()
 with torch.cuda.stream(stream):
     signals.wait(signal, 5, stream.cuda_stream, 2.0)
-    mark.record(stream)
+    err = runtime.cudaMemcpyAsync(int(signals.words.ctypes.data) + 4 * done.slot, one.data_ptr(), 4,
+                                  runtime.cudaMemcpyKind.cudaMemcpyDefault, stream.cuda_stream)[0]
+    assert err == runtime.cudaError_t.cudaSuccess, err
     if variant != "no_mul":
         y = x * 2
 held = time.monotonic() - t0
-thread.join()
+report = json.loads(writer.stdout.readline())
+writer.wait(10)
 torch.cuda.synchronize()
-print(variant, "passed early:", seen["early"], "launches held the thread s:", round(held, 3),
-      "read last:", int(signals._seen[0]), "waited ns:", int(signals._seen[1]), "(written:", signal.base + 5, ")",
-      flush=True)
+print(json.dumps({"variant": variant, "loading": __import__("os").environ.get("CUDA_MODULE_LOADING", "(default)"),
+                  "passed_early": bool(report["done_before_word"]), "launches_held_thread_s": round(held, 3),
+                  "read_last": int(signals._seen[2 * signal.slot]), "word": signal.base + 5, "waited_ns": int(signals._seen[2 * signal.slot + 1]),
+                  "done_after": int(signals.words[done.slot])}), flush=True)

@@ -81,9 +81,10 @@ class EngineSignals:
         self._seen: Any = None
 
     # ------------------------------------------------------------------ CUDA
-    def enable_gpu(self, device: int) -> str | None:
+    def enable_gpu(self, device: int, lazy_loading: bool = False) -> str | None:
         """Register the page with CUDA on ``device`` and build the wait kernel; returns why
-        not (None: GPU waits on). Run on the engine's thread (its CUDA context is current)."""
+        not (None: GPU waits on). Run on the engine's thread (its CUDA context is current).
+        ``lazy_loading``: also where CUDA loads kernels lazily (see the NOTE on the kernel)."""
         try:
             from cuda.bindings import driver, runtime
         except ImportError as exc:
@@ -93,9 +94,10 @@ class EngineSignals:
             err, mode = driver.cuModuleGetLoadingMode()
         except Exception as exc:  # noqa: BLE001 - a cuda-python without it: the CPU waits
             return f"cuModuleGetLoadingMode: {type(exc).__name__}: {exc}"
-        if err != driver.CUresult.CUDA_SUCCESS or mode != driver.CUmoduleLoadingMode.CU_MODULE_EAGER_LOADING:
-            return ("CUDA loads kernels lazily; set CUDA_MODULE_LOADING=EAGER for GPU layer waits (a kernel "
-                    "loaded while a wait spins broke the stream's order, measured on an H200)")
+        eager = err == driver.CUresult.CUDA_SUCCESS and mode == driver.CUmoduleLoadingMode.CU_MODULE_EAGER_LOADING
+        if not eager and not lazy_loading:
+            return ("CUDA loads kernels lazily and gpu_layer_waits is 'eager' (GPU layer waits: set "
+                    "CUDA_MODULE_LOADING=EAGER, or gpu_layer_waits true)")
         try:
             ok = runtime.cudaError_t.cudaSuccess
             flags = runtime.cudaHostRegisterMapped | runtime.cudaHostRegisterPortable

@@ -227,3 +227,29 @@ def test_a_layerwise_load_writes_its_word_after_the_copies_on_the_copy_stream(gp
         torch.cuda.synchronize()
         client.unregister_region("0")
         signals.close()
+
+
+@pytest.mark.parametrize("variant", ["plain", "no_mul"])
+def test_under_lazy_module_loading_a_gpu_wait_holds_its_stream_until_another_process_writes_the_word(variant):
+    """CUDA's lazy loading (its default; this test process loads eagerly, so the probe runs in a
+    child): the wait, a "done" word copied back after it, then (``plain``) a kernel whose module
+    is loaded only at its launch. The word is written 0.2 s later by another process, as the
+    daemon writes it (``benchmarks/wait_kernel_probe.py``): the stream must not pass the wait
+    before the word, and the wait must end on the word, not at its 2 s limit."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "CUDA_MODULE_LOADING": "LAZY",
+           "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, str(repo / "benchmarks" / "wait_kernel_probe.py"), variant],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["loading"] == "LAZY"
+    assert not got["passed_early"], got
+    assert got["read_last"] == got["word"], got  # released by the word, not by the limit
+    assert got["done_after"] == 1, got
+    assert 0.15e9 <= got["waited_ns"] < 1.5e9, got

@@ -35,3 +35,18 @@ def test_early_loads_are_on_unless_turned_off(settings, value, expected):
 def test_a_malformed_early_loads_flag_is_refused(settings):
     with pytest.raises(ValueError, match="early_loads='sometimes': true or false"):
         settings.ConnectorSettings.from_extra({"early_loads": "sometimes"}, "ns")
+
+
+@pytest.mark.parametrize("value,expected", [(None, "eager"), ("eager", "eager"), ("EAGER", "eager"),
+                                            (True, "true"), ("on", "true"), (False, "false"), ("0", "false")])
+def test_gpu_layer_waits_default_to_eager_loading_only(settings, value, expected):
+    """Default "eager": GPU layer waits only where CUDA loads kernels eagerly; true: under lazy
+    loading too; false: always on the CPU."""
+    extra = {} if value is None else {"gpu_layer_waits": value}
+    got = settings.ConnectorSettings.from_extra(extra, "ns").gpu_layer_waits
+    assert got is settings.GpuWaits(expected)
+
+
+def test_a_malformed_gpu_layer_waits_is_refused_with_the_choices(settings):
+    with pytest.raises(ValueError, match="gpu_layer_waits='lazy': true, false or eager"):
+        settings.ConnectorSettings.from_extra({"gpu_layer_waits": "lazy"}, "ns")

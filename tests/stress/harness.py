@@ -71,6 +71,8 @@ class EngineConfig:
     #: (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the same scheduler and connector roles, a faster
     #: start; the CI short test uses it, the harness's command line keeps the default)
     multiprocess: bool = True
+    #: more of kvbm's kv_connector_extra_config (e.g. ``gpu_layer_waits``)
+    kvbm_extra: dict = field(default_factory=dict)
 
     def argv(self, kvbm: bool) -> list[str]:
         argv = ["--g1-bytes", str(self.g1_bytes), "--max-num-seqs", str(self.max_num_seqs),
@@ -79,7 +81,7 @@ class EngineConfig:
         if self.cuda_graphs:
             argv.append("--cuda-graphs")
         if kvbm:
-            extra = {"load_mode": self.load_mode, "early_loads": self.early_loads}
+            extra = {**self.kvbm_extra, "load_mode": self.load_mode, "early_loads": self.early_loads}
             argv += ["--kvbm", "--kvbm-extra", json.dumps(extra)]
         return argv
 
@@ -179,7 +181,7 @@ def engine_summary(result: dict) -> dict:
 
 def workload_key(workload: Path, engine: EngineConfig) -> str:
     h = hashlib.sha256(workload.read_bytes())
-    h.update(json.dumps(asdict(replace(engine, load_mode="", early_loads=False)), sort_keys=True).encode())
+    h.update(json.dumps(asdict(replace(engine, load_mode="", early_loads=False, kvbm_extra={})), sort_keys=True).encode())
     return h.hexdigest()[:16]
 
 

@@ -51,6 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     e.add_argument("--model-runner", choices=("default", "v1", "v2"), default="default",
                    help="vLLM's model runner (VLLM_USE_V2_MODEL_RUNNER; default: vLLM's choice)")
     e.add_argument("--no-early-loads", action="store_true")
+    e.add_argument("--kvbm-extra", type=json.loads, default={}, metavar="JSON",
+                   help='more kv_connector_extra_config for kvbm, e.g. \'{"gpu_layer_waits": true}\'')
     n = p.add_argument_group("kvbm node")
     n.add_argument("--g2-blocks", type=int, default=48)
     n.add_argument("--g3-blocks", type=int, default=512)
@@ -125,7 +127,7 @@ def main(argv=None) -> int:
                           max_model_len=args.max_model_len, block_size=args.block_size, dtype=args.dtype,
                           async_scheduling=args.async_scheduling, cuda_graphs=args.cuda_graphs,
                           load_mode=args.load_mode, early_loads=not args.no_early_loads,
-                          model_runner=args.model_runner)
+                          model_runner=args.model_runner, kvbm_extra=args.kvbm_extra)
     result = {**provenance(), "loadavg_at_start": os.getloadavg(), "workload": spec.__dict__, "engine": engine.__dict__, "kvbm_src": args.kvbm_src,
               "kvbm_src_diff": src_diff(args.kvbm_src), "passes": []}
     baseline = run_baseline(model, workload, engine, work)

@@ -33,6 +33,31 @@ class LoadMode(str, enum.Enum):
 
 
 LOAD_MODES = tuple(m.value for m in LoadMode)
+
+
+class GpuWaits(str, enum.Enum):
+    """Where a layer-pipelined load's forward waits for its layers (``gpu_layer_waits``)."""
+
+    #: on the CPU, per layer (the engine's thread waits before it enqueues the layer)
+    OFF = "false"
+    #: on the GPU (a wait kernel on the signal page) only where CUDA loads kernels eagerly
+    #: (``CUDA_MODULE_LOADING=EAGER``); the CPU otherwise
+    EAGER = "eager"
+    #: on the GPU under either module loading mode (under lazy loading, a launch that loads a
+    #: module while a wait spins holds the engine's thread until the wait ends)
+    ON = "true"
+
+
+def parse_gpu_waits(value: Any) -> GpuWaits:
+    """``gpu_layer_waits`` from an engine's config: a boolean, or "eager"."""
+    if isinstance(value, GpuWaits):
+        return value
+    if str(value).strip().lower() == GpuWaits.EAGER.value:
+        return GpuWaits.EAGER
+    try:
+        return GpuWaits.ON if parse_bool(value) else GpuWaits.OFF
+    except ValueError:
+        raise ValueError(f"kv_connector_extra_config.gpu_layer_waits={value!r}: true, false or eager") from None
 #: ``layer_groups`` default: 6 groups of a 36-layer model move 384 KiB per block and group
 #: (direct DMA stays near full speed), and the forward after the last group is a sixth of it.
 DEFAULT_LAYER_GROUPS = 6
@@ -65,14 +90,14 @@ class ConnectorSettings:
     prefill_tokens_per_s: float = 0.0
     #: ``load_mode`` layerwise: the groups of layers a load is copied in (2..64)
     layer_groups: int = DEFAULT_LAYER_GROUPS
-    #: ``load_mode`` layerwise on a GPU: the forward's layer waits go on the GPU (a wait kernel on
-    #: the engine's signal page, :mod:`kvbm_client.signal_page`; only where CUDA loads kernels
-    #: eagerly), so the engine's CPU enqueues the whole forward while the copy runs; false: the
-    #: CPU waits per layer
-    gpu_layer_waits: bool = True
+    #: ``load_mode`` layerwise on a GPU: where the forward's layer waits go (:class:`GpuWaits`).
+    #: On the GPU (a wait kernel on the engine's signal page, :mod:`kvbm_client.signal_page`) the
+    #: engine's CPU enqueues the whole forward while the copy runs; on the CPU it waits per layer
+    gpu_layer_waits: GpuWaits = GpuWaits.EAGER
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "load_mode", _load_mode(self.load_mode))
+        object.__setattr__(self, "gpu_layer_waits", parse_gpu_waits(self.gpu_layer_waits))
         if self.load_mode is LoadMode.AUTO:
             raise ValueError("ConnectorSettings.load_mode: resolve 'auto' first (from_extra's auto_load_mode)")
         if not 2 <= self.layer_groups <= MAX_LAYER_GROUPS:
@@ -98,7 +123,7 @@ class ConnectorSettings:
                    cost_aware_loads=_flag("cost_aware_loads", extra.get("cost_aware_loads", cfg.cost_aware_loads)),
                    prefill_tokens_per_s=float(extra.get("prefill_tokens_per_s", cfg.prefill_tokens_per_s)),
                    layer_groups=_int("layer_groups", extra.get("layer_groups", DEFAULT_LAYER_GROUPS)),
-                   gpu_layer_waits=_flag("gpu_layer_waits", extra.get("gpu_layer_waits", True)))
+                   gpu_layer_waits=parse_gpu_waits(extra.get("gpu_layer_waits", GpuWaits.EAGER)))
 
     @property
     def sync_loads(self) -> bool:

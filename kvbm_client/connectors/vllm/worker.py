@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from ...ids import EngineBlockId, WorkerId
 from ...regions import LayerSpec, RegionSpec, RegionSpecLike
 from ...signal_page import EngineSignals
-from ..core.settings import ConnectorSettings, LoadMode
+from ..core.settings import ConnectorSettings, GpuWaits, LoadMode
 from ..core.specs import StepPlan
 from ..core.tracing import trace, tracing
 from ..core.worker import WorkerCore
@@ -124,12 +124,13 @@ class KvbmConnectorWorker:
 
     def _signal_page(self) -> EngineSignals | None:
         """The signal page for GPU layer waits, when configured and the GPU supports them."""
-        if not self.settings.gpu_layer_waits:
+        waits = self.settings.gpu_layer_waits
+        if waits is GpuWaits.OFF:
             log.info("kvbm: layer waits on the CPU (gpu_layer_waits is false)")
             return None
         import torch
         signals = EngineSignals()
-        why = signals.enable_gpu(torch.cuda.current_device())
+        why = signals.enable_gpu(torch.cuda.current_device(), lazy_loading=waits is GpuWaits.ON)
         if why is not None:
             signals.close()
             log.info("kvbm: layer waits on the CPU: %s", why)  # (the default: CUDA loads kernels lazily)
