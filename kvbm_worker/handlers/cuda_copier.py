@@ -120,7 +120,9 @@ class CudaCopier:
         self._views: dict[str, GatherViews] = {}
         self._batch_ok: bool | None = None
         self.last_mechanism = ""
-        self._words: Any = None  # pinned sources of signal-word writes (write_word)
+        #: signal-word writes (write_word): pinned sources, and their device copies
+        self._words: Any = None
+        self._words_dev: Any = None
         self._word_next = 0
         rt = cudart()
         self._attr = None
@@ -181,20 +183,28 @@ class CudaCopier:
 
     def write_word(self, direction: str, address: int, value: int) -> Any:
         """Write the uint32 ``value`` at ``address`` (host memory registered with CUDA) on
-        ``direction``'s stream after every copy issued on it before: a 4-byte DMA from a pinned
-        word of :attr:`_words` (stream memory operations hang on some drivers, see
-        ``benchmarks/stream_wait_probe.py``). Returns the CUDA event that marks it done.
-        NOTE: the source words are a ring of WORDS entries; a job waits for its writes before it
-        ends and writes far fewer than WORDS (``signals.MAX_TARGETS`` x groups + catch-ups)."""
+        ``direction``'s stream after every copy issued on it before, without waiting for them:
+        a 4-byte DMA from a pinned word of :attr:`_words` to its device copy, then one from there
+        to ``address``. Returns the CUDA event that marks it done.
+        NOTE: not one host -> host copy: CUDA runs a copy between two host buffers synchronously
+        (it waited for every copy queued before it: the lane issued a layerwise load's next group
+        only once the previous one had landed, 2026-11-26 eighth session); not a stream memory
+        operation: they hang on some drivers (``benchmarks/stream_wait_probe.py``).
+        NOTE: the words are a ring of WORDS entries; a job waits for its writes before it ends
+        and writes far fewer than WORDS (``signals.MAX_TARGETS`` x groups + catch-ups)."""
         import torch
         if self._words is None:
             self._words = torch.zeros(WORDS, dtype=torch.int64, pin_memory=True)
+            self._words_dev = torch.zeros(WORDS, dtype=torch.int64, device=f"cuda:{self.device}")
         i, self._word_next = self._word_next, (self._word_next + 1) % WORDS
         self._words[i] = value
         stream = self.streams[Direction(direction)]
-        rt = cudart()
-        check(rt.cudaMemcpyAsync(address, self._words.data_ptr() + 8 * i, 4, rt.cudaMemcpyKind.cudaMemcpyDefault,
-                                 stream.cuda_stream), "cudaMemcpyAsync (signal word)")
+        rt, default = cudart(), cudart().cudaMemcpyKind.cudaMemcpyDefault
+        on_device = self._words_dev.data_ptr() + 8 * i
+        check(rt.cudaMemcpyAsync(on_device, self._words.data_ptr() + 8 * i, 4, default, stream.cuda_stream),
+              "cudaMemcpyAsync (signal word, to the GPU)")
+        check(rt.cudaMemcpyAsync(address, on_device, 4, default, stream.cuda_stream),
+              "cudaMemcpyAsync (signal word, to the page)")
         return self._record(stream)
 
     def copy(self, direction: str, region: CudaEngineRegion, blocks: Sequence[int] | Addrs, host_addrs: Addrs,

@@ -103,3 +103,42 @@ def test_onboard_in_page_groups_lands_only_those_pages(pool, layout, mechanism):
     with pytest.raises(ValueError):
         copier.copy("h2d", region, dst, addrs, pages=(0, region.num_layers + 1))
     copier.close()
+
+
+def test_a_signal_word_is_written_after_the_copies_before_it_without_waiting_for_them(pool):
+    """``write_word`` into CUDA-registered host memory (the engine's signal page, here a page of
+    this process) queues behind the stream's copies and returns at once: the call does not wait
+    for a 1 GiB copy queued before it (a host -> host copy would: CUDA runs those synchronously),
+    the word is not written before that copy ends, and it holds the value once its event fired."""
+    import mmap
+    import time
+
+    from kvbm_worker.cuda_region import check, cudart
+    from kvbm_worker.handlers.cuda_copier import Direction
+    host, pinned = pool
+    copier = CudaCopier(0, pinned)
+    rt = cudart()
+    page = mmap.mmap(-1, 4096)
+    words = np.frombuffer(page, dtype="<u4")
+    addr = words.ctypes.data
+    check(rt.cudaHostRegister(addr, 4096, rt.cudaHostRegisterMapped | rt.cudaHostRegisterPortable), "register")
+    big_src = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+    big_dst = torch.empty(1 << 30, dtype=torch.uint8, device="cuda:0")
+    try:
+        ptr = int(check(rt.cudaHostGetDevicePointer(addr, 0), "device pointer"))
+        copier.write_word(Direction.H2D, ptr + 8, 1).synchronize()  # (warm: the word buffers exist)
+        assert int(words[2]) == 1
+        stream = copier.streams[Direction.H2D]
+        with torch.cuda.stream(stream):
+            big_dst.copy_(big_src, non_blocking=True)  # ~20 ms at the DMA's pace
+        t0 = time.perf_counter()
+        event = copier.write_word(Direction.H2D, ptr + 8, 7)
+        call_s = time.perf_counter() - t0
+        seen_early = int(words[2])
+        event.synchronize()
+        assert call_s < 0.005, f"write_word waited {call_s * 1e3:.1f} ms for the copy before it"
+        assert seen_early == 1, "the word was written before the copy queued ahead of it ended"
+        assert int(words[2]) == 7
+    finally:
+        torch.cuda.synchronize()
+        rt.cudaHostUnregister(addr)
