@@ -50,6 +50,8 @@
 #   lazy8     the same on 8K
 #   stresslazy  the stress step with GPU layer waits under lazy loading (gpu_layer_waits true)
 #   greedylazy  greedyg with GPU layer waits under lazy loading
+#   interference  wait_copy_interference.py: a load's host -> GPU copy alone and beside another process's
+#             wait kernel (polling every 2 / 20 / 200 us), matmuls, HBM-bound copies
 #   wordprobe word_write_probe.py: a signal-word write queued behind a 1 GiB copy, host -> host vs via the GPU
 # Earlier sessions' runs (other steps, other systems) are recorded in their result files' argv.
 . benchmarks/gpu_runbook_env.sh  # set -u, $R, step, A20, G8
@@ -101,6 +103,8 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
               >"$R/stresslazy.log" 2>&1 ;;
     greedylazy) $T "$R/greedy8_gpuwait_graphs.jsonl" baseline,ours_layerwise_gpuwait $G8 --cuda-graphs --timeout 600 \
                >"$R/greedylazy.log" 2>&1 ;;
+    interference) timeout 300 python3 benchmarks/wait_copy_interference.py --json "$R/wait_copy_interference.json" \
+                    >"$R/interference.log" 2>&1 ;;
     wordprobe) timeout 120 python3 benchmarks/word_write_probe.py --json "$R/word_write_probe.json" >"$R/wordprobe.log" 2>&1 ;;
     greedyg) $T "$R/greedy8_layerwise_graphs.jsonl" baseline,ours_layerwise $G8 --cuda-graphs --timeout 600 \
                >"$R/greedyg.log" 2>&1 ;;

@@ -208,6 +208,10 @@ def hit_fractions(rows):
     warm = [x for x in rows if x["round"] > 0 and "g1_hit_tokens" in x]
     if not warm:
         return {}
+    if sum(x["g1_hit_tokens"] + x["external_hit_tokens"] for x in warm) < sum(x["cached"] for x in warm):
+        # vLLM's counters missed hits the outputs report (seen with kvbm's connector on vLLM 0.26):
+        # not measured, rather than a share of 0
+        return {"warm_g1_frac": None, "warm_external_frac": None}
     total = max(1, sum(x["tokens"] for x in warm))
     return {"warm_g1_frac": round(sum(x["g1_hit_tokens"] for x in warm) / total, 3),
             "warm_external_frac": round(sum(x["external_hit_tokens"] for x in warm) / total, 3)}

@@ -45,6 +45,8 @@ log = logging.getLogger("kvbm.connector")
 SPAN = 1024
 #: the last ``seq`` a word may take (its values must fit 32 bits)
 MAX_SEQ = (1 << 32) // SPAN - 1
+#: the wait kernel reads its word (host memory, over PCIe) every POLL_NS ns
+POLL_NS = 2000
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +61,9 @@ class EngineSignals:
     """The page, its words' allocation, and the GPU waits (see the module docstring). Thread
     safe: words are taken on the engine's thread and released on a progress reader's."""
 
-    def __init__(self) -> None:
+    def __init__(self, poll_ns: int = POLL_NS) -> None:
+        #: how long the wait kernel sleeps between two reads of its word (ns)
+        self.poll_ns = poll_ns
         self.fd = sealed_memfd(f"kvbm-signals-{os.getpid()}", SIGNAL_PAGE_BYTES)
         try:
             self._map = mmap.mmap(self.fd, SIGNAL_PAGE_BYTES, flags=mmap.MAP_SHARED)
@@ -109,7 +113,7 @@ class EngineSignals:
             if err != ok:
                 raise RuntimeError(f"cudaHostGetDevicePointer: {getattr(err, 'name', err)}")
             self.device_ptr = int(ptr)
-            self._image, self._module, self._kernel = _wait_kernel(driver, device)
+            self._image, self._module, self._kernel = _wait_kernel(driver, device, self.poll_ns)
             import torch
             self._seen = torch.zeros(2 * SIGNAL_SLOTS, dtype=torch.int64, device=f"cuda:{device}")
             stream = torch.cuda.Stream(device)
@@ -137,7 +141,7 @@ class EngineSignals:
         ``base + end`` (every block's pages ``[0, end)`` landed, or the word was released), or
         ``seconds`` passed since the wait began on the GPU (a safety net: the load's answer
         time, by which an unanswered load counts as failed anyway). A one-thread kernel that
-        polls the word (host memory, mapped) every 2 us. Raises RuntimeError when the launch fails."""
+        polls the word (host memory, mapped) every ``poll_ns``. Raises RuntimeError when the launch fails."""
         import ctypes
         d = self._driver
         assert d is not None and self.device_ptr is not None and self._kernel is not None, "GPU waits are not enabled"
@@ -231,23 +235,24 @@ extern "C" __global__ void kvbm_wait_word(const unsigned int* word, unsigned lon
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
         // gives up only when both clocks say so: the timer, and the sleeps asked for
         if (now - start > max_ns && slept > max_ns) break;
-        __nanosleep(2000);
-        slept += 2000;
+        __nanosleep(POLL_NS);
+        slept += POLL_NS;
     }
     seen[1] = now - start;
 }
 """
 
 
-def _wait_kernel(driver: Any, device: int) -> tuple[bytes, Any, Any]:
-    """Compile :data:`WAIT_KERNEL` with NVRTC for ``device`` and load it into the current
-    context: (the PTX image, the module, its function); keep all three."""
+def _wait_kernel(driver: Any, device: int, poll_ns: int = POLL_NS) -> tuple[bytes, Any, Any]:
+    """Compile :data:`WAIT_KERNEL` with NVRTC for ``device`` (polling every ``poll_ns``) and load
+    it into the current context: (the PTX image, the module, its function); keep all three."""
     from cuda.bindings import nvrtc
     err, major = driver.cuDeviceGetAttribute(driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
                                              device)
     err, minor = driver.cuDeviceGetAttribute(driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
                                              device)
-    err, prog = nvrtc.nvrtcCreateProgram(WAIT_KERNEL.encode(), b"kvbm_wait.cu", 0, [], [])
+    source = f"#define POLL_NS {int(poll_ns)}ULL\n{WAIT_KERNEL}"
+    err, prog = nvrtc.nvrtcCreateProgram(source.encode(), b"kvbm_wait.cu", 0, [], [])
     if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
         raise RuntimeError(f"nvrtcCreateProgram: {err}")
     opts = [f"--gpu-architecture=compute_{major}{minor}".encode()]

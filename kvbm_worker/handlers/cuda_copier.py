@@ -39,6 +39,7 @@ from ..id_arrays import EngineBlocks
 from ..runs import page_range, segments
 from . import cudart_direct
 from .pinned import PinnedHost
+from .signal_words import SignalWords
 
 log = logging.getLogger("kvbm.worker")
 
@@ -46,7 +47,6 @@ Addrs = npt.NDArray[np.int64]
 STAGING_BYTES = 128 << 20  # per direction, on the GPU
 BATCH_MAX = 4096  # copies per cudaMemcpyBatchAsync call
 AUTO_DMA_MIN_BYTES = 256 << 10  # auto: runs at least this long on average go straight to DMA
-WORDS = 4096  # pinned sources of signal-word writes, reused in a ring
 
 
 class Direction(str, enum.Enum):
@@ -120,10 +120,7 @@ class CudaCopier:
         self._views: dict[str, GatherViews] = {}
         self._batch_ok: bool | None = None
         self.last_mechanism = ""
-        #: signal-word writes (write_word): pinned sources, and their device copies
-        self._words: Any = None
-        self._words_dev: Any = None
-        self._word_next = 0
+        self._words: SignalWords | None = None  # the signal-word writes (write_word), made on first use
         rt = cudart()
         self._attr = None
         if hasattr(rt, "cudaMemcpyBatchAsync"):
@@ -182,30 +179,19 @@ class CudaCopier:
         return event
 
     def write_word(self, direction: str, address: int, value: int) -> Any:
-        """Write the uint32 ``value`` at ``address`` (host memory registered with CUDA) on
-        ``direction``'s stream after every copy issued on it before, without waiting for them:
-        a 4-byte DMA from a pinned word of :attr:`_words` to its device copy, then one from there
-        to ``address``. Returns the CUDA event that marks it done.
-        NOTE: not one host -> host copy: CUDA runs a copy between two host buffers synchronously
-        (it waited for every copy queued before it: the lane issued a layerwise load's next group
-        only once the previous one had landed, 2026-11-26 eighth session); not a stream memory
-        operation: they hang on some drivers (``benchmarks/stream_wait_probe.py``).
-        NOTE: the words are a ring of WORDS entries; a job waits for its writes before it ends
-        and writes far fewer than WORDS (``signals.MAX_TARGETS`` x groups + catch-ups)."""
-        import torch
+        """Write the uint32 ``value`` at ``address`` (host memory registered with CUDA) once every
+        copy issued on ``direction``'s stream before has landed, holding neither that stream nor
+        the caller (:class:`~.signal_words.SignalWords`). Returns the CUDA event of the write."""
         if self._words is None:
-            self._words = torch.zeros(WORDS, dtype=torch.int64, pin_memory=True)
-            self._words_dev = torch.zeros(WORDS, dtype=torch.int64, device=f"cuda:{self.device}")
-        i, self._word_next = self._word_next, (self._word_next + 1) % WORDS
-        self._words[i] = value
-        stream = self.streams[Direction(direction)]
-        rt, default = cudart(), cudart().cudaMemcpyKind.cudaMemcpyDefault
-        on_device = self._words_dev.data_ptr() + 8 * i
-        check(rt.cudaMemcpyAsync(on_device, self._words.data_ptr() + 8 * i, 4, default, stream.cuda_stream),
-              "cudaMemcpyAsync (signal word, to the GPU)")
-        check(rt.cudaMemcpyAsync(address, on_device, 4, default, stream.cuda_stream),
-              "cudaMemcpyAsync (signal word, to the page)")
-        return self._record(stream)
+            self._words = SignalWords(self.device, self._record, self._wait)
+        return self._words.write(self.streams[Direction(direction)], address, value)
+
+    def _wait(self, stream: Any, event: Any) -> None:
+        """``stream`` runs nothing enqueued after this before ``event`` (of :meth:`_record`) fired."""
+        if self._direct is not None:
+            self._direct.wait(stream.cuda_stream, event)
+        else:
+            stream.wait_event(event)
 
     def copy(self, direction: str, region: CudaEngineRegion, blocks: Sequence[int] | Addrs, host_addrs: Addrs,
              wait: bool = True, mechanism: str | None = None, pages: tuple[int, int] | None = None,

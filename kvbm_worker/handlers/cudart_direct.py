@@ -98,6 +98,8 @@ class Direct:
         self._create.argtypes, self._create.restype = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint], ctypes.c_int
         self._destroy = held.cudaEventDestroy
         self._destroy.argtypes, self._destroy.restype = [ctypes.c_void_p], ctypes.c_int
+        self._wait = held.cudaStreamWaitEvent
+        self._wait.argtypes, self._wait.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint], ctypes.c_int
         self._elapsed = held.cudaEventElapsedTime
         self._elapsed.argtypes = [ctypes.POINTER(ctypes.c_float), ctypes.c_void_p, ctypes.c_void_p]
         self._elapsed.restype = ctypes.c_int
@@ -127,6 +129,10 @@ class Direct:
 
     def event(self, timed: bool = False) -> "RawEvent":
         return RawEvent(self, timed)
+
+    def wait(self, stream: int, event: "RawEvent") -> None:
+        """``stream`` runs nothing enqueued after this before ``event`` (as recorded now) fired."""
+        self.check(self._wait(stream, event.handle, 0), "cudaStreamWaitEvent")
 
 
 class RawEvent:

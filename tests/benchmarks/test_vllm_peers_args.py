@@ -173,8 +173,14 @@ def test_hit_counters_sum_vllm_counters_by_source():
 
 
 def test_hit_fractions_are_of_the_warm_rounds_prompt_tokens():
-    rows = [{"round": 0, "tokens": 1000, "g1_hit_tokens": 0, "external_hit_tokens": 0},
-            {"round": 1, "tokens": 1000, "g1_hit_tokens": 100, "external_hit_tokens": 800},
-            {"round": 2, "tokens": 1000, "g1_hit_tokens": 300, "external_hit_tokens": 600}]
+    rows = [{"round": 0, "tokens": 1000, "cached": 0, "g1_hit_tokens": 0, "external_hit_tokens": 0},
+            {"round": 1, "tokens": 1000, "cached": 900, "g1_hit_tokens": 100, "external_hit_tokens": 800},
+            {"round": 2, "tokens": 1000, "cached": 900, "g1_hit_tokens": 300, "external_hit_tokens": 600}]
     assert vllm_peers.hit_fractions(rows) == {"warm_g1_frac": 0.2, "warm_external_frac": 0.7}
     assert vllm_peers.hit_fractions([{"round": 1, "tokens": 5}]) == {}
+
+
+def test_hit_fractions_are_not_measured_where_the_counters_missed_the_cached_tokens():
+    """kvbm's rows on vLLM 0.26 (2026-11-26): 7424 tokens cached, both counters 0: unknown, not 0 %."""
+    rows = [{"round": 1, "tokens": 7712, "cached": 7424, "g1_hit_tokens": 0, "external_hit_tokens": 0}]
+    assert vllm_peers.hit_fractions(rows) == {"warm_g1_frac": None, "warm_external_frac": None}
