@@ -12,8 +12,13 @@ event and a marker event behind it (``cudaStreamWaitEvent``: the GPU waits, the 
 Cases: ``alive`` (the child lives: when does the marker fire, against the child's own record?),
 ``killed`` (SIGKILL to the child right after "recorded": does the marker fire, and when, or is
 the stream stuck for ``--hang-s``?). Why: GPU-side layer waits without the signal page's wait
-kernel (which needs eager module loading, README "Layer waits on the GPU") must never leave the
-engine's stream waiting forever on a dead daemon.
+kernel must never leave the engine's stream waiting forever on a dead daemon.
+
+Measured 2026-11-26 (eighth session, H200, commit d8a6074, ``results/ipc_event_probe_h200_2026-11-26k.json``):
+alive: the marker fired 1.919 s after the wait was enqueued, with the child's own record; killed:
+the marker never fired within ``--hang-s`` (15 s) while another stream of the engine kept
+working: a stream waiting on a dead process's IPC event stays stuck, so the layer waits keep the
+wait kernel (which gives up at its limit).
 """
 from __future__ import annotations
 

@@ -14,19 +14,18 @@ reads the "done" word: set means the stream passed the wait before its word was 
 that, how long the launches held the launching thread, what the wait kernel read last and how
 long it waited (a wait that ran into its 2 s limit read less than the word's value).
 
-Measured 2026-11-26 (sixth session) on an H200 VM (driver 580, torch 2.11+cu130), with an
-earlier version of this probe that wrote the word from the launching thread itself: LAZY plain:
-"passed early", the kernel read 0 until its 2 s limit; LAZY no_mul and EAGER plain: held, released
-on the word. Read again (seventh session): that was the documented lazy-loading hazard (loading a
-kernel's module may need a context synchronization, which waits for the spinning wait kernel),
-so the launch of ``x * 2`` held the launching thread until the wait kernel gave up at its limit,
-and the word, written by that same thread afterwards, came too late: a self-deadlock of the probe
-broken by the limit, not a stream passing its wait. With the word written by someone else (the
-daemon, in kvbm) the launch would only wait for the word. This version tests that, with the word
-written by another process (the seventh session's version wrote it from another thread, which
-would again need the interpreter lock that a held launch from Python keeps). Until it has run
-(and vLLM with GPU waits under lazy loading has been checked), ``gpu_layer_waits`` defaults to
-"eager": GPU layer waits only under CUDA_MODULE_LOADING=EAGER.
+Measured 2026-11-26 (eighth session) on an H200 VM (driver 580, torch 2.11+cu130, commit d8a6074;
+``results/wait_probes_h200_2026-11-26k.txt``): LAZY plain: not passed early, the launches held the
+thread 0.201 s (the lazy load of ``x * 2`` waited for the spinning wait), the wait read its word
+after 0.1999 s; LAZY no_mul and EAGER plain: not passed early, held 0.000 / 0.001 s, released on
+the word. So the stream's order holds under lazy loading; what lazy loading costs is a held
+launching thread while a wait spins. ``tests/gpu/test_daemon_gpu.py`` runs this probe as a test.
+
+The sixth session's version wrote the word from the launching thread itself and saw LAZY plain
+"pass early" with the kernel reading 0 until its 2 s limit: the launch of ``x * 2`` held that
+thread until the wait gave up, so the word came too late (a self-deadlock of the probe, not a
+stream passing its wait). The seventh session's version wrote it from another thread, which
+would again need the interpreter lock that a launch held from Python keeps.
 """
 import json
 import subprocess

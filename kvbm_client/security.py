@@ -35,6 +35,7 @@ import secrets
 import stat
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Awaitable, Callable, Mapping
 
 import grpc
@@ -66,8 +67,9 @@ class NodeKey:
     def derive(self, label: str) -> bytes:
         return hmac.new(self.secret, b"kvbm/v1/" + label.encode(), hashlib.sha256).digest()
 
-    @property
+    @cached_property
     def daemon_token(self) -> str:
+        """(Derived once: every call a daemon serves compares against it.)"""
         return self.derive("daemon-token").hex()
 
     def plan_key(self, leader_id: str) -> bytes:

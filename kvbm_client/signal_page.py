@@ -213,15 +213,14 @@ class SignalledRegion:
 #: NOTE: a kernel, not ``cuStreamWaitValue32``: stream memory operations hang the launching
 #: thread on drivers that do not enable them (CAN_USE_STREAM_MEM_OPS_V1 = 0, measured on an
 #: H200 VM, ``benchmarks/stream_wait_probe.py``); a one-thread kernel needs nothing of the driver.
-#: NOTE: GPU waits need eager module loading (``CUDA_MODULE_LOADING=EAGER``, checked by
-#: :meth:`EngineSignals.enable_gpu`) until shown otherwise: under lazy loading, the launch of a
-#: kernel whose module was not loaded yet held the launching thread (a module load may need a
-#: context synchronization, which waits for the spinning wait kernel) and the probe, which wrote
-#: the word from that same thread, saw the wait run into its limit; with eager loading, or without
-#: such a kernel, every wait held its stream and was released 0.03-0.7 ms after the store (H200,
-#: 2026-11-26, ``benchmarks/wait_kernel_probe.py``). With the word written by the daemon such a
-#: launch would only wait for the word; the probe now tests that (not run yet). The kernel reads with ``ld.global.cv`` (fetch again,
-#: never a cached line) and records what it read (``_seen``: a diagnostic).
+#: NOTE: under lazy module loading (CUDA's default) the waits hold too: the launch of a kernel
+#: whose module was not loaded yet holds the launching thread until the spinning wait ends (a
+#: module load synchronizes the context), and the stream never passes the wait before its word,
+#: which the daemon (another process) writes (H200, 2026-11-26 eighth session,
+#: ``benchmarks/wait_kernel_probe.py``, ``tests/gpu/test_daemon_gpu.py``). ``enable_gpu`` still
+#: refuses lazy loading unless asked (``gpu_layer_waits`` true): see the README for why the default
+#: keeps the CPU waits there. The kernel reads with ``ld.global.cv`` (fetch again, never a cached
+#: line) and records what it read (``_seen``: a diagnostic).
 WAIT_KERNEL = r"""
 extern "C" __global__ void kvbm_wait_word(const unsigned int* word, unsigned long long target64,
                                          unsigned long long max_ns, unsigned long long* seen) {
