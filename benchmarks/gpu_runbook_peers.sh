@@ -48,6 +48,9 @@
 #             lazy module loading its layer waits stay on the CPU), kvbm layerwise with GPU layer waits
 #             under lazy loading (ours_layerwise_gpuwait: gpu_layer_waits true)
 #   lazy8     the same on 8K
+#   lazy20g / lazy8g  lazy20 / lazy8 with CUDA graphs (PIECEWISE for kvbm: its layer hooks run between
+#             the pieces; the forward's CPU time is small there, so the copy bounds both systems), and
+#             vLLM alone (baseline: the cold-TTFT target's reference)
 #   stresslazy  the stress step with GPU layer waits under lazy loading (gpu_layer_waits true)
 #   greedylazy  greedyg with GPU layer waits under lazy loading
 #   interference  wait_copy_interference.py: a load's host -> GPU copy alone and beside another process's
@@ -97,6 +100,10 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
     lazy20|lazy8) W=${s#lazy}; X=""; [ "$W" = 20 ] && X="$A20"
               KVBM_CONNECTOR_TRACE=$R/t${W}k_lazy.jsonl $T "$R/ttft${W}k_lazy.jsonl" \
                 lmcache_timed,ours_layerwise,ours_layerwise_gpuwait $X $H --timeout 300 --passes 2 >"$R/$s.log" 2>&1 ;;
+    lazy20g|lazy8g) W=${s#lazy}; W=${W%g}; X=""; [ "$W" = 20 ] && X="$A20"
+              KVBM_CONNECTOR_TRACE=$R/t${W}k_lazyg.jsonl $T "$R/ttft${W}k_lazyg.jsonl" \
+                baseline,lmcache_timed,ours_layerwise,ours_layerwise_gpuwait $X $H --timeout 600 --passes 2 --cuda-graphs \
+                >"$R/$s.log" 2>&1 ;;
     stresslazy) python3 -m tests.stress.run --users 12 --turns 3 --gpu 0 --async-scheduling on --block-size 16 \
               --dtype float32 --load-mode layerwise --kvbm-extra '{"gpu_layer_waits": true}' --passes none \
               --skip-baseline-check --timeout 240 --work /tmp/sw --out "$R/stress_lazy_gpuwait.json" \

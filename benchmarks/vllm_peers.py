@@ -112,8 +112,9 @@ def system_kwargs(name, g2_gb, pass_index=0):
             extra = kw["kv_transfer_config"].setdefault("kv_connector_extra_config", {})
             extra["namespace"] = f"{extra.get('namespace') or name}_pass{pass_index}"
         env.update(DYN_KVBM_CPU_CACHE_GB=str(g2_gb))
-        # GPU layer waits need eager module loading (kvbm_client/signal_page.py): KVBM_EAGER=1 starts
-        # kvbm's engines so. NOTE: vLLM 0.26 then did not start within 300 s on the H200 (2026-11-26)
+        # KVBM_EAGER=1 starts kvbm's engines with eager module loading (gpu_layer_waits "eager", the
+        # default, puts the layer waits on the GPU only then; ours_layerwise_gpuwait does under lazy
+        # loading too). NOTE: vLLM 0.26 then did not start within 300 s on the H200 (2026-11-26)
         if os.environ.get("KVBM_EAGER") == "1":
             env.update(CUDA_MODULE_LOADING="EAGER")
     else:

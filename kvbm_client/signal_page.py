@@ -6,7 +6,7 @@ words), maps it, registers it with CUDA and hands it to the worker daemon with i
 (:class:`SignalledRegion`; ``RegisterRegionRequest.signals``). A load takes a word
 (:meth:`EngineSignals.take`: a slot and a fresh ``base``) and names it in its
 ``TransferRequest``; the daemon writes ``base + pages landed`` there after each layer group's
-copies, with a 4-byte DMA on its copy stream. The forward of layer L then needs no CPU wait:
+copies, with 4-byte DMAs ordered after those copies on the GPU. The forward of layer L then needs no CPU wait:
 the engine enqueues a one-thread kernel that polls the word until ``base + end of L's pages``
 (:meth:`EngineSignals.wait`) on its own stream and goes on launching kernels; the GPU runs
 layer L once its pages landed.

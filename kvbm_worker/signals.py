@@ -7,9 +7,9 @@ The engine hands over a sealed memfd of exactly :data:`~kvbm_client.contract.SIG
 (``RegisterRegionRequest.signals``): :data:`~kvbm_client.contract.SIGNAL_SLOTS` uint32 words it
 owns. A load that names a word (``TransferRequest.signal_slot``, ``signal_base``) has the lane
 write ``base + end`` there once every block's pages ``[0, end)`` landed, ordered after those
-copies (a GPU worker writes it with a 4-byte DMA on the copy stream, after the group's copies
-in stream order, see ``handlers/cuda_copier.py``; the CPU medium's copies are synchronous, so
-it stores the word after them). The engine's GPU waits for the word instead of its CPU.
+copies (a GPU worker writes it with 4-byte DMAs on a stream beside the copy stream, made to
+wait for the group's copies, see ``handlers/signal_words.py``; the CPU medium's copies are
+synchronous, so it stores the word after them). The engine's GPU waits for the word instead of its CPU.
 
 Invariants:
 * the worker writes only into a region's own page, only words ``0 <= slot < SIGNAL_SLOTS``,

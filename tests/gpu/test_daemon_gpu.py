@@ -181,7 +181,7 @@ def test_a_gpu_layer_wait_holds_the_stream_until_its_word():
         signals.close()
 
 
-def test_a_layerwise_load_writes_its_word_after_the_copies_on_the_copy_stream(gpu_node):
+def test_a_layerwise_load_writes_its_word_after_its_copies(gpu_node):
     """A CUDA region with a signal page: the engine's stream waits for the load's word before
     reading the blocks (enqueued before the daemon even got the call); what it read equals the
     offloaded bytes, and the word ends at base + the pages per block."""
