@@ -346,5 +346,7 @@ class CudaCopier:
     def close(self) -> None:
         for stream in self.streams.values():
             stream.synchronize()
+        if self._words is not None:
+            self._words.synchronize()
         self._staging.clear()
         self._views.clear()

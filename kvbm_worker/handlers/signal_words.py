@@ -59,3 +59,8 @@ class SignalWords:
         check(rt.cudaMemcpyAsync(address, on_device, 4, default, side.cuda_stream),
               "cudaMemcpyAsync (signal word, to the page)")
         return self._record(side)
+
+    def synchronize(self) -> None:
+        """Wait until every word written so far landed."""
+        for side in self._sides.values():
+            side.synchronize()

@@ -142,3 +142,4 @@ def test_a_signal_word_is_written_after_the_copies_before_it_without_waiting_for
     finally:
         torch.cuda.synchronize()
         rt.cudaHostUnregister(addr)
+        copier.close()
