@@ -33,11 +33,15 @@ the row's start time ``t0``:
   settle     layer-pipelined loads: once the forward was enqueued, the wait for the daemon's answer
              (traces from 2026-11-26 seventh session on)
   lmcache_timed (peer_timing.py): front (to LMCache's lookup), lookup, to_load (lookup ->
-             start_load_kv), load (start_load_kv: LMCache's synchronous copy; load_cpu its CPU),
-             forward / forward_cpu (start_load_kv -> wait_for_save), after (-> the first token)
+             start_load_kv), load (start_load_kv: LMCache issuing its copy, which may still run
+             after it returned; load_cpu its CPU), forward / forward_cpu (start_load_kv ->
+             wait_for_save), after (-> the first token), load_start (t0 -> start_load_kv)
   forward    the engine's thread from the step's loads sent (synchronous: answered) to its
-             ``wait_for_save`` (the forward enqueued); forward_cpu: that thread's CPU time meanwhile
-             (much less than ``forward``: it waited, for a layer, the interpreter lock or a CPU)
+             ``wait_for_save`` (the forward enqueued, then ``settle``); forward_cpu: that thread's
+             CPU time meanwhile (less than ``forward``: it waited for a layer, the daemon's answer,
+             the interpreter lock or a CPU)
+  copy_start t0 -> the copy sent to the worker daemon (front + lookup + to_copy)
+  gpu_waits  layer-pipelined loads: the layer waits enqueued on the GPU (0: all on the CPU)
 """
 from __future__ import annotations
 
@@ -50,7 +54,7 @@ from peer_passes import slots, summarize, summary_line
 
 FIELDS = ("ttft", "front", "lookup", "to_copy", "head_start", "wait", "after_load", "ret", "store_prep", "alloc",
           "copy", "layer_wait", "first_group", "last_group", "settle", "forward",
-          "forward_cpu", "blocks")
+          "forward_cpu", "copy_start", "gpu_waits", "blocks")
 
 
 def load_runs(path: str, pass_index: int | None = None) -> list[dict]:
@@ -118,11 +122,13 @@ def breakdown(rows: list[dict], events: list[dict]) -> list[dict]:
                     if pick("layer_waits") else float("nan"),
                     "forward": pick("forward")[-1]["ms"] if pick("forward") else float("nan"),
                     "forward_cpu": pick("forward")[-1]["cpu_ms"] if pick("forward") else float("nan"),
+                    "copy_start": (copy_start - t0) * 1e3, "gpu_waits": ld.get("gpu_waits", float("nan")),
                     "blocks": ld["blocks"]})
     return out
 
 
-PEER_FIELDS = ("ttft", "front", "lookup", "to_load", "load", "load_cpu", "forward", "forward_cpu", "after")
+PEER_FIELDS = ("ttft", "front", "lookup", "to_load", "load", "load_cpu", "forward", "forward_cpu", "after",
+               "load_start")
 
 
 def peer_breakdown(rows: list[dict], events: list[dict]) -> list[dict]:
@@ -143,7 +149,8 @@ def peer_breakdown(rows: list[dict], events: list[dict]) -> list[dict]:
                     "load": ld["ms"], "load_cpu": ld["cpu_ms"],
                     "forward": fwd[0]["ms"] if fwd else float("nan"),
                     "forward_cpu": fwd[0]["cpu_ms"] if fwd else float("nan"),
-                    "after": (t1 - fwd[0]["t"]) * 1e3 if fwd else float("nan")})
+                    "after": (t1 - fwd[0]["t"]) * 1e3 if fwd else float("nan"),
+                    "load_start": (ld["t"] - ld["ms"] / 1e3 - t0) * 1e3})
     return out
 
 
