@@ -147,7 +147,8 @@ def main() -> None:
 
     copy_ms()  # warm
     rows: list[dict[str, Any]] = []
-    cases = [(c, "") for c in CONDITIONS] + [(c, w) for c in ("alone", "wait_2000+matmul") for w in ("stream", "beside")]
+    cases = [(c, "") for c in CONDITIONS]
+    cases += [(c, w) for c in ("alone", "wait_2000+matmul") for w in ("stream", "beside")]
     for condition, words in cases:
         times = []
         for _ in range(args.reps):

@@ -82,5 +82,6 @@ writer.wait(10)
 torch.cuda.synchronize()
 print(json.dumps({"variant": variant, "loading": __import__("os").environ.get("CUDA_MODULE_LOADING", "(default)"),
                   "passed_early": bool(report["done_before_word"]), "launches_held_thread_s": round(held, 3),
-                  "read_last": int(signals._seen[2 * signal.slot]), "word": signal.base + 5, "waited_ns": int(signals._seen[2 * signal.slot + 1]),
+                  "read_last": int(signals._seen[2 * signal.slot]), "word": signal.base + 5,
+                  "waited_ns": int(signals._seen[2 * signal.slot + 1]),
                   "done_after": int(signals.words[done.slot])}), flush=True)

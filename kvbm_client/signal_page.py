@@ -6,10 +6,10 @@ words), maps it, registers it with CUDA and hands it to the worker daemon with i
 (:class:`SignalledRegion`; ``RegisterRegionRequest.signals``). A load takes a word
 (:meth:`EngineSignals.take`: a slot and a fresh ``base``) and names it in its
 ``TransferRequest``; the daemon writes ``base + pages landed`` there after each layer group's
-copies, with 4-byte DMAs ordered after those copies on the GPU. The forward of layer L then needs no CPU wait:
-the engine enqueues a one-thread kernel that polls the word until ``base + end of L's pages``
-(:meth:`EngineSignals.wait`) on its own stream and goes on launching kernels; the GPU runs
-layer L once its pages landed.
+copies, with 4-byte DMAs ordered after those copies on the GPU. The forward of layer L then
+needs no CPU wait: the engine enqueues a one-thread kernel that polls the word until
+``base + end of L's pages`` (:meth:`EngineSignals.wait`) on its own stream and goes on
+launching kernels; the GPU runs layer L once its pages landed.
 
 Invariants:
 * values only grow per word: a word's ``base`` is ``seq * SPAN`` with ``seq`` counting the
@@ -141,7 +141,8 @@ class EngineSignals:
         ``base + end`` (every block's pages ``[0, end)`` landed, or the word was released), or
         ``seconds`` passed since the wait began on the GPU (a safety net: the load's answer
         time, by which an unanswered load counts as failed anyway). A one-thread kernel that
-        polls the word (host memory, mapped) every ``poll_ns``. Raises RuntimeError when the launch fails."""
+        polls the word (host memory, mapped) every ``poll_ns``. Raises RuntimeError when the
+        launch fails."""
         import ctypes
         d = self._driver
         assert d is not None and self.device_ptr is not None and self._kernel is not None, "GPU waits are not enabled"

@@ -181,7 +181,8 @@ def engine_summary(result: dict) -> dict:
 
 def workload_key(workload: Path, engine: EngineConfig) -> str:
     h = hashlib.sha256(workload.read_bytes())
-    h.update(json.dumps(asdict(replace(engine, load_mode="", early_loads=False, kvbm_extra={})), sort_keys=True).encode())
+    same = replace(engine, load_mode="", early_loads=False, kvbm_extra={})  # what vLLM alone sees
+    h.update(json.dumps(asdict(same), sort_keys=True).encode())
     return h.hexdigest()[:16]
 
 
