@@ -1,7 +1,9 @@
 """What the GPU copy benchmarks share (``issue_cost.py``, ``ipc_issue_cost.py``,
-``staging_scatter.py``, ``daemon_layer_loads.py``): a pinned host pool like G2 with the worker's
-copier, a device buffer exported to / opened from another process through CUDA IPC, CPU hogs,
-and the result file (provenance, arguments, device, rows)."""
+``staging_scatter.py``, ``daemon_layer_loads.py``, ``word_write_probe.py``,
+``wait_copy_interference.py``): a pinned host pool like G2 with the worker's copier, a device
+buffer exported to / opened from another process through CUDA IPC, that process's matmul spells,
+a CUDA-registered host page (a signal page's stand-in), CPU hogs, and the result file
+(provenance, arguments, device, rows)."""
 from __future__ import annotations
 
 import contextlib
@@ -52,6 +54,50 @@ def open_ipc(handle: bytes) -> int:
     mem = rt.cudaIpcMemHandle_t()
     ctypes.memmove(mem.getPtr(), handle, IPC_HANDLE_BYTES)
     return int(check(rt.cudaIpcOpenMemHandle(mem, rt.cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle"))
+
+
+def ipc_engine(conn: Any, nbytes: int, dim: int) -> None:
+    """The other process (an engine): allocates ``nbytes`` of device memory and sends its CUDA IPC
+    handle; then, per ``seconds`` received, answers "on", runs bf16 ``dim`` x ``dim`` matmuls for
+    that long and sends their rate (TFLOP/s); "stop" ends it. Run with a spawn context."""
+    import time
+
+    import torch
+    torch.cuda.set_device(0)
+    buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+    conn.send(export_ipc(buf.data_ptr()))
+    a = torch.randn(dim, dim, device="cuda:0", dtype=torch.bfloat16)
+    while True:
+        cmd = conn.recv()
+        if cmd == "stop":
+            return
+        seconds = float(cmd)
+        conn.send("on")
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            for _ in range(4):
+                torch.mm(a, a)
+            torch.cuda.synchronize()
+            n += 4
+        conn.send(2 * dim ** 3 * n / (time.perf_counter() - t0) / 1e12)
+
+
+@contextlib.contextmanager
+def registered_page() -> Iterator[tuple[Any, int]]:
+    """A 4 KiB host page registered with CUDA as the engine's signal page is (mapped, portable):
+    its uint32 words (numpy) and its device address; unregistered on exit."""
+    import mmap
+
+    import numpy as np
+    rt = cudart()
+    page = mmap.mmap(-1, 4096)
+    words = np.frombuffer(page, dtype="<u4")
+    addr = words.ctypes.data
+    check(rt.cudaHostRegister(addr, 4096, rt.cudaHostRegisterMapped | rt.cudaHostRegisterPortable), "register")
+    try:
+        yield words, int(check(rt.cudaHostGetDevicePointer(addr, 0), "device pointer"))
+    finally:
+        rt.cudaHostUnregister(addr)
 
 
 def spin(stop: Any) -> None:

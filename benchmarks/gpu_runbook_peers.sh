@@ -97,13 +97,11 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
                lmcache,ours_layerwise,ours_layerwise_cpuwait $A20 $H --timeout 300 --passes 2 >"$R/waits20.log" 2>&1 ;;
     waits8) KVBM_CONNECTOR_TRACE=$R/t8k_waits.jsonl $T "$R/ttft8k_waits.jsonl" \
                lmcache,dynamo,ours_layerwise,ours_layerwise_cpuwait $H --timeout 300 --passes 2 >"$R/waits8.log" 2>&1 ;;
-    lazy20|lazy8) W=${s#lazy}; X=""; [ "$W" = 20 ] && X="$A20"
-              KVBM_CONNECTOR_TRACE=$R/t${W}k_lazy.jsonl $T "$R/ttft${W}k_lazy.jsonl" \
-                lmcache_timed,ours_layerwise,ours_layerwise_gpuwait $X $H --timeout 300 --passes 2 >"$R/$s.log" 2>&1 ;;
-    lazy20g|lazy8g) W=${s#lazy}; W=${W%g}; X=""; [ "$W" = 20 ] && X="$A20"
-              KVBM_CONNECTOR_TRACE=$R/t${W}k_lazyg.jsonl $T "$R/ttft${W}k_lazyg.jsonl" \
-                baseline,lmcache_timed,ours_layerwise,ours_layerwise_gpuwait $X $H --timeout 600 --passes 2 --cuda-graphs \
-                >"$R/$s.log" 2>&1 ;;
+    lazy20|lazy8|lazy20g|lazy8g) W=${s#lazy}; X=""; F=lazy; S=""; O="--timeout 300"
+              if [ "${W%g}" != "$W" ]; then W=${W%g}; F=lazyg; S=baseline,; O="--timeout 600 --cuda-graphs"; fi
+              [ "$W" = 20 ] && X="$A20"
+              KVBM_CONNECTOR_TRACE=$R/t${W}k_$F.jsonl $T "$R/ttft${W}k_$F.jsonl" \
+                ${S}lmcache_timed,ours_layerwise,ours_layerwise_gpuwait $X $H $O --passes 2 >"$R/$s.log" 2>&1 ;;
     stresslazy) python3 -m tests.stress.run --users 12 --turns 3 --gpu 0 --async-scheduling on --block-size 16 \
               --dtype float32 --load-mode layerwise --kvbm-extra '{"gpu_layer_waits": true}' --passes none \
               --skip-baseline-check --timeout 240 --work /tmp/sw --out "$R/stress_lazy_gpuwait.json" \

@@ -24,32 +24,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from gpu_bench import export_ipc, open_ipc, pinned_copier, write_result
+from gpu_bench import ipc_engine, open_ipc, pinned_copier, write_result
 
 from kvbm_worker.cuda_region import check, cudart
 from kvbm_worker.handlers.cuda_copier import CopyMechanism, CudaCopier, Direction
 from kvbm_worker.pools import HostPool
 
 SLOT = 2304 << 10
-
-
-def engine(conn: Any, nbytes: int) -> None:
-    """The other process: owns the memory, exports it, then idles or runs matmuls on request."""
-    torch.cuda.set_device(0)
-    buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
-    conn.send(export_ipc(buf.data_ptr()))
-    a = torch.randn(4096, 4096, device="cuda:0", dtype=torch.bfloat16)
-    while True:
-        cmd = conn.recv()
-        if cmd == "stop":
-            break
-        if cmd == "busy":
-            until = time.monotonic() + conn.recv()
-            conn.send("ok")
-            while time.monotonic() < until:
-                for _ in range(20):
-                    a = (a @ a).clamp_(-1, 1)
-                torch.cuda.synchronize()
 
 
 def run(copier: CudaCopier, host: HostPool, dst_base: int, n: int, size: int, mech: str, reps: int,
@@ -86,7 +67,7 @@ def main() -> None:
     nbytes = n * SLOT
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=engine, args=(child, nbytes), daemon=True)
+    proc = ctx.Process(target=ipc_engine, args=(child, nbytes, 4096), daemon=True)
     proc.start()
     torch.cuda.set_device(0)
     check(cudart().cudaSetDevice(0), "cudaSetDevice")  # (cuda-python's runtime: the lane's _enter_lane does this)
@@ -100,7 +81,6 @@ def main() -> None:
                 for where, base in (("local", local.data_ptr()), ("ipc", ipc)):
                     for mech in ("direct", "batch", "runs"):
                         if busy:
-                            parent.send("busy")
                             parent.send(3.0)
                             parent.recv()
                         row: dict[str, Any] = {"engine_busy": busy, "destination": where}
@@ -111,7 +91,7 @@ def main() -> None:
                         rows.append(row)
                         print(json.dumps(row), flush=True)
                         if busy:
-                            time.sleep(3.0)  # (let the busy spell end before the next row's own)
+                            parent.recv()  # the busy spell's end, before the next row's own
         finally:
             parent.send("stop")
             proc.join(10)

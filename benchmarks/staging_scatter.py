@@ -32,35 +32,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from gpu_bench import export_ipc, open_ipc, pinned_copier, write_result
+from gpu_bench import ipc_engine, open_ipc, pinned_copier, write_result
 
 from kvbm_worker.cuda_region import check, cudart
 from kvbm_worker.handlers.cuda_copier import CopyMechanism, CudaCopier, Direction
 
 BLOCK, PAGES = 2304 << 10, 36
 PAGE = BLOCK // PAGES
-
-
-def engine(conn: Any, nbytes: int) -> None:
-    """The other process: owns the KV cache, exports it; on request runs matmuls and reports
-    their rate (TFLOP/s) over the spell."""
-    torch.cuda.set_device(0)
-    buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
-    conn.send(export_ipc(buf.data_ptr()))
-    a = torch.randn(8192, 8192, device="cuda:0", dtype=torch.bfloat16)
-    while True:
-        cmd = conn.recv()
-        if cmd == "stop":
-            return
-        seconds = conn.recv()
-        conn.send("on")
-        n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
-            for _ in range(4):
-                torch.mm(a, a)
-            torch.cuda.synchronize()
-            n += 4
-        conn.send(2 * 8192 ** 3 * n / (time.perf_counter() - t0) / 1e12)
 
 
 def timed(copier: CudaCopier, src: np.ndarray, dst: np.ndarray, unit: int, host_src: bool) -> tuple[float, float]:
@@ -97,7 +75,7 @@ def main() -> None:
     n = args.blocks
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=engine, args=(child, 2 * n * BLOCK), daemon=True)
+    proc = ctx.Process(target=ipc_engine, args=(child, 2 * n * BLOCK, 8192), daemon=True)
     proc.start()
     torch.cuda.set_device(0)
     check(cudart().cudaSetDevice(0), "cudaSetDevice")
@@ -109,16 +87,15 @@ def main() -> None:
         blocks = kv + rng.permutation(2 * n)[:n].astype(np.int64) * BLOCK  # vLLM's blocks, scattered
         stage_at = staging.data_ptr() + np.arange(n, dtype=np.int64) * BLOCK
         rows: list[dict[str, Any]] = []
-        parent.send("spell")
         parent.send(3.0)
         parent.recv()
         alone = parent.recv()  # the matmul rate with nothing else on the GPU
         try:
             for busy in (False, True):
                 for what in ("direct", "stage", "scatter"):
-                    gpu, cpu = [], []
+                    gpu: list[float] = []
+                    cpu: list[float] = []
                     if busy:
-                        parent.send("spell")
                         parent.send(2.0)
                         parent.recv()
                     t_end = time.perf_counter() + (1.8 if busy else 0)

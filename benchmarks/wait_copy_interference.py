@@ -23,7 +23,8 @@ with events on its stream. Conditions (the other process runs for the whole copy
 And, alone and beside ``wait_2000+matmul``, the copy with a signal word written after each sixth
 of it (the daemon's word writes: host -> GPU -> a CUDA-registered page, two 4-byte copies):
 ``words=stream`` on the copy stream itself (until 2026-11-26's eighth session), ``words=beside``
-on a stream of its own that waits for the copy stream's event (``handlers/signal_words.py``).
+on a stream of its own that waits for the copy stream's event (``handlers/signal_words.py``'s
+``SignalWords``, the daemon's own code).
 
 Reports per condition the copy's GPU time (median over ``--reps``) and its ratio to ``alone``.
 Not run yet (written in the eighth session after its device time was spent).
@@ -31,6 +32,7 @@ Not run yet (written in the eighth session after its device time was spent).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import statistics
 import time
@@ -94,9 +96,10 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     import torch
-    from gpu_bench import write_result
+    from gpu_bench import registered_page, write_result
 
     from kvbm_worker.cuda_region import check, cudart
+    from kvbm_worker.handlers.signal_words import SignalWords
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=engine, args=(child,), daemon=True)
@@ -109,20 +112,22 @@ def main() -> None:
     stream = torch.cuda.Stream()
     h2d = rt.cudaMemcpyKind.cudaMemcpyHostToDevice
 
-    import mmap
-
-    import numpy as np
-    page = mmap.mmap(-1, 4096)
-    page_addr = np.frombuffer(page, dtype="<u4").ctypes.data
-    check(rt.cudaHostRegister(page_addr, 4096, rt.cudaHostRegisterMapped | rt.cudaHostRegisterPortable), "register")
+    page = contextlib.ExitStack()
+    _, page_ptr = page.enter_context(registered_page())
     word_src = torch.zeros(8, dtype=torch.int64, pin_memory=True)
     word_dev = torch.zeros(8, dtype=torch.int64, device="cuda:0")
-    side = torch.cuda.Stream()
     default = rt.cudaMemcpyKind.cudaMemcpyDefault
 
-    def word(on: Any) -> None:
-        check(rt.cudaMemcpyAsync(word_dev.data_ptr(), word_src.data_ptr(), 4, default, on.cuda_stream), "word")
-        check(rt.cudaMemcpyAsync(page_addr, word_dev.data_ptr(), 4, default, on.cuda_stream), "word")
+    def record(on: Any) -> Any:
+        event = torch.cuda.Event()
+        event.record(on)
+        return event
+
+    beside = SignalWords(0, record, lambda on, event: on.wait_event(event))  # the daemon's words
+
+    def on_stream() -> None:  # the words before d547f23: the same two copies, on the copy stream
+        check(rt.cudaMemcpyAsync(word_dev.data_ptr(), word_src.data_ptr(), 4, default, stream.cuda_stream), "word")
+        check(rt.cudaMemcpyAsync(page_ptr, word_dev.data_ptr(), 4, default, stream.cuda_stream), "word")
 
     def copy_ms(words: str = "") -> float:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -134,15 +139,12 @@ def main() -> None:
                                          stream.cuda_stream), "cudaMemcpyAsync")
                 if words and (i + 1) % (PIECES // 6) == 0:
                     if words == "stream":
-                        word(stream)
+                        on_stream()
                     else:
-                        landed = torch.cuda.Event()
-                        landed.record(stream)
-                        side.wait_event(landed)
-                        word(side)
+                        beside.write(stream, page_ptr, i)
             end.record(stream)
         end.synchronize()
-        side.synchronize()
+        beside.synchronize()
         return start.elapsed_time(end)
 
     copy_ms()  # warm
@@ -167,7 +169,7 @@ def main() -> None:
         row["ratio_to_alone"] = round(row["copy_ms_median"] / base, 3)
     parent.send("stop")
     proc.join(30)
-    rt.cudaHostUnregister(page_addr)
+    page.close()
     write_result(args.json, args, rows)
 
 
