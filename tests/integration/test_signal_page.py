@@ -183,13 +183,13 @@ class RecordedWaits(EngineSignals):
         self.waits.append((signal.slot, signal.base + end, stream))
 
 
-def gpu_call(s: Setup, e: SignalledEngine, signals: RecordedWaits, dst: list[int], settled=lambda exc: True
-             ) -> LayerwiseCall:
+def gpu_call(s: Setup, e: SignalledEngine, signals: RecordedWaits, dst: list[int], settled=lambda exc: True,
+             gpu_from: int = 0) -> LayerwiseCall:
     signal = signals.take(LAYERS)
     assert signal is not None
     r = request(s, e.region_id, dst, 2, signal.slot + 1, signal.base)
     return LayerwiseCall(s.stub.TransferLayers(r, timeout=20), s.readers,
-                         GpuWait(signals, signal, settled, lambda: 77, time.monotonic() + 20))
+                         GpuWait(signals, signal, settled, lambda: 77, time.monotonic() + 20, gpu_from))
 
 
 def test_the_engine_enqueues_its_layer_waits_and_releases_the_word_at_the_outcome(make_node):
@@ -214,6 +214,35 @@ def test_the_engine_enqueues_its_layer_waits_and_releases_the_word_at_the_outcom
         assert tracker.settle_sync_loads() is False  # the outcome: no failure
         assert int(e.signals.words[slot]) == base + SPAN - 1  # released after the daemon's base + 8
         assert len(signals._free) == signal_free, "the word was not given back"
+        assert np.array_equal(e.kv.array[dst], s.array[0:6])
+    finally:
+        e.close()
+
+
+@pytest.mark.parametrize("end,on_gpu", [(LAYERS - 1, False), (LAYERS, True)])
+def test_under_tail_only_the_last_layers_wait_on_the_gpu(make_node, end, on_gpu):
+    """``gpu_layer_waits`` tail (``GpuWait.gpu_from``, here the last layer): a layer whose pages
+    end at or before ``gpu_from`` waits on the CPU (it blocks until its group landed, nothing is
+    enqueued); the last layer's wait is enqueued on the forward's stream and returns at once.
+    The load runs in two groups (pages [0, 6) and [6, 8)), the second landing 0.5 s late."""
+    s = Setup(make_node(**fault_env(GROUP_DELAY_SECS="0.5")))
+    signals = RecordedWaits()
+    e = SignalledEngine(s, signals)
+    try:
+        dst = [40, 41, 42, 43, 44, 45]
+        call = gpu_call(s, e, signals, dst, gpu_from=LAYERS - 1)
+        tracker = TransferTracker()
+        tracker.load_sent("req-1", call, dst, sync=True, answer_by=time.monotonic() + 20)
+        t0 = time.monotonic()
+        tracker.wait_sync_pages(end, LAYERS)
+        took = time.monotonic() - t0
+        if on_gpu:
+            assert took < 0.3, "the last layer's wait blocked the CPU"
+            assert [w[1] - call.gpu.signal.base for w in signals.waits] == [LAYERS]  # type: ignore[union-attr]
+        else:
+            assert took >= 0.4, f"layer {end - 1}'s wait returned before its late group landed ({took:.2f} s)"
+            assert signals.waits == [], "a wait before the tail went on the GPU"
+        assert tracker.settle_sync_loads() is False
         assert np.array_equal(e.kv.array[dst], s.array[0:6])
     finally:
         e.close()

@@ -38,7 +38,8 @@ def test_a_malformed_early_loads_flag_is_refused(settings):
 
 
 @pytest.mark.parametrize("value,expected", [(None, "eager"), ("eager", "eager"), ("EAGER", "eager"),
-                                            (True, "true"), ("on", "true"), (False, "false"), ("0", "false")])
+                                            (True, "true"), ("on", "true"), (False, "false"), ("0", "false"),
+                                            ("tail", "tail"), (" Tail", "tail")])
 def test_gpu_layer_waits_default_to_eager_loading_only(settings, value, expected):
     """Default "eager": GPU layer waits only where CUDA loads kernels eagerly; true: under lazy
     loading too; false: always on the CPU."""
@@ -48,5 +49,13 @@ def test_gpu_layer_waits_default_to_eager_loading_only(settings, value, expected
 
 
 def test_a_malformed_gpu_layer_waits_is_refused_with_the_choices(settings):
-    with pytest.raises(ValueError, match="gpu_layer_waits='lazy': true, false or eager"):
+    with pytest.raises(ValueError, match="gpu_layer_waits='lazy': true, false, eager or tail"):
         settings.ConnectorSettings.from_extra({"gpu_layer_waits": "lazy"}, "ns")
+
+
+@pytest.mark.parametrize("pages,groups,expected", [(36, 6, 4), (28, 6, 3), (36, 2, 36), (1, 6, 1), (36, 64, 1)])
+def test_tail_layers_are_the_front_shapes_last_two_groups(settings, pages, groups, expected):
+    """``gpu_layer_waits`` tail puts the waits of ~4/groups**2 of the layers on the GPU (the
+    daemon's last two front-loaded groups: 36 pages in 6 groups end ..., 32, 35, 36), never
+    none and never more than the block has."""
+    assert settings.tail_layers(pages, groups) == expected

@@ -56,13 +56,15 @@ class GpuWait:
     waits go on the GPU. ``failure_settled(exc)``: on a failed call, whether no copy of the
     load can still land (the daemon answered, or it was stopped); only then may the reader
     release the word, else the engine's thread does once it settled the load. ``stream()``: the
-    handle of the CUDA stream the forward runs on."""
+    handle of the CUDA stream the forward runs on. ``gpu_from``: the waits for pages ending at
+    or before it stay on the CPU (``gpu_layer_waits`` tail; 0: every wait on the GPU)."""
 
     signals: EngineSignals
     signal: Signal
     failure_settled: Callable[[BaseException], bool]
     stream: Callable[[], int]
     answer_by: float  # CLOCK_MONOTONIC: the GPU waits give up then (the load has failed by then)
+    gpu_from: int = 0
 
 
 class LayerwiseCall:
@@ -149,7 +151,7 @@ class LayerwiseCall:
             if self._outcome.done():
                 return self._outcome.exception() is None
             gpu = self.gpu if self.pages_per_block in (0, pages_per_block) else None
-        if gpu is not None and self._wait_on_gpu(gpu, end):
+        if gpu is not None and end > gpu.gpu_from and self._wait_on_gpu(gpu, end):
             return True
         with self._cond:
             while True:

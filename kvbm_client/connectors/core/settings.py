@@ -46,18 +46,30 @@ class GpuWaits(str, enum.Enum):
     #: on the GPU under either module loading mode (under lazy loading, a launch that loads a
     #: module while a wait spins holds the engine's thread until the wait ends)
     ON = "true"
+    #: the last layers' waits (:func:`tail_layers`) on the GPU under either module loading mode,
+    #: the others on the CPU: the engine's thread waits until the load is nearly done, then
+    #: enqueues the rest of the forward (and its sampling) while the last groups are copied
+    TAIL = "tail"
+
+
+def tail_layers(pages_per_block: int, layer_groups: int) -> int:
+    """How many of a block's last pages (layers) wait on the GPU under ``gpu_layer_waits`` tail:
+    the daemon's last two layer groups of its default (front-loaded) shape, ~4/groups**2 of the
+    layers (36 layers in 6 groups: the last 4), at least 1."""
+    return max(1, min(pages_per_block, round(pages_per_block * 4 / (layer_groups * layer_groups))))
 
 
 def parse_gpu_waits(value: Any) -> GpuWaits:
-    """``gpu_layer_waits`` from an engine's config: a boolean, or "eager"."""
+    """``gpu_layer_waits`` from an engine's config: a boolean, "eager" or "tail"."""
     if isinstance(value, GpuWaits):
         return value
-    if str(value).strip().lower() == GpuWaits.EAGER.value:
-        return GpuWaits.EAGER
+    word = str(value).strip().lower()
+    if word in (GpuWaits.EAGER.value, GpuWaits.TAIL.value):
+        return GpuWaits(word)
     try:
         return GpuWaits.ON if parse_bool(value) else GpuWaits.OFF
     except ValueError:
-        raise ValueError(f"kv_connector_extra_config.gpu_layer_waits={value!r}: true, false or eager") from None
+        raise ValueError(f"kv_connector_extra_config.gpu_layer_waits={value!r}: true, false, eager or tail") from None
 #: ``layer_groups`` default: 6 groups of a 36-layer model move 384 KiB per block and group
 #: (direct DMA stays near full speed), and the forward after the last group is a sixth of it.
 DEFAULT_LAYER_GROUPS = 6

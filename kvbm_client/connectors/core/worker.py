@@ -42,7 +42,7 @@ from ...signal_page import EngineSignals, SignalledRegion
 from .daemon_process import DaemonProcess
 from .layerwise import GpuWait, LayerwiseCall
 from .region_link import RegionLink
-from .settings import ConnectorSettings
+from .settings import ConnectorSettings, GpuWaits, tail_layers
 from .specs import LoadSpec, RequestId, StoreSpec
 from .tracing import trace, tracing
 from .transfers import InFlight, TransferFuture, TransferTracker, unanswered
@@ -92,6 +92,7 @@ class WorkerCore:
         self._tainted_steps = 0  # steps whose stores are dropped (their forward read unloaded pages)
         self._store_thread: ThreadPoolExecutor | None = None
         self.signals: EngineSignals | None = None  # GPU layer waits (the page is on the GPU)
+        self.gpu_waits = settings.gpu_layer_waits  # (tail: only the last layers' waits on the GPU)
         self._pages_per_block = 0
 
     def set_region(self, spec: RegionSpecLike | None, signals: EngineSignals | None = None) -> None:
@@ -143,21 +144,24 @@ class WorkerCore:
 
     def _submit(self, plan: bytes, signature: bytes, blocks: list[EngineBlockId],
                 due: float, layer_groups: int = 0) -> "TransferFuture | None":
-        gpu = self._gpu_wait(due) if layer_groups > 1 else None
+        gpu = self._gpu_wait(due, layer_groups) if layer_groups > 1 else None
         future = self.link.submit(plan, signature, blocks, timeout=max(0.1, due - time.monotonic()),
                                   layer_groups=layer_groups, gpu=gpu)
         if gpu is not None and not isinstance(future, LayerwiseCall):
             gpu.signals.give_back(gpu.signal)  # never sent: nothing writes or waits for it
         return future
 
-    def _gpu_wait(self, due: float) -> GpuWait | None:
-        """A word of the signal page for a layer-pipelined load answered by ``due`` (None: its
-        layers wait on the CPU)."""
+    def _gpu_wait(self, due: float, layer_groups: int) -> GpuWait | None:
+        """A word of the signal page for a layer-pipelined load in ``layer_groups`` groups
+        answered by ``due`` (None: its layers wait on the CPU)."""
         signals = self.signals
         signal = signals.take(self._pages_per_block) if signals is not None and signals.on_gpu else None
         if signals is None or signal is None:
             return None
-        return GpuWait(signals, signal, lambda exc: self._failure_settled(exc, due), _current_stream, due)
+        gpu_from = 0
+        if self.gpu_waits is GpuWaits.TAIL:
+            gpu_from = self._pages_per_block - tail_layers(self._pages_per_block, layer_groups)
+        return GpuWait(signals, signal, lambda exc: self._failure_settled(exc, due), _current_stream, due, gpu_from)
 
     def _failure_settled(self, exc: BaseException, due: float) -> bool:
         """On a progress reader, for a failed layer-pipelined load: whether no copy of it can

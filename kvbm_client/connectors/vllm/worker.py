@@ -130,12 +130,13 @@ class KvbmConnectorWorker:
             return None
         import torch
         signals = EngineSignals()
-        why = signals.enable_gpu(torch.cuda.current_device(), lazy_loading=waits is GpuWaits.ON)
+        why = signals.enable_gpu(torch.cuda.current_device(), lazy_loading=waits in (GpuWaits.ON, GpuWaits.TAIL))
         if why is not None:
             signals.close()
             log.info("kvbm: layer waits on the CPU: %s", why)  # (the default: CUDA loads kernels lazily)
             return None
-        log.info("kvbm: layer waits on the GPU (a wait kernel on the signal page)")
+        log.info("kvbm: layer waits on the GPU (a wait kernel on the signal page)%s",
+                 ": the last layers' only" if waits is GpuWaits.TAIL else "")
         return signals
 
     def start_loads(self, meta: KvbmConnectorMetadata) -> None:
