@@ -55,6 +55,7 @@
 #             beside ours_layerwise_tail (gpu_layer_waits tail: only the last layers' waits on the GPU)
 #   stresslazy  the stress step with GPU layer waits under lazy loading (gpu_layer_waits true)
 #   greedylazy  greedyg with GPU layer waits under lazy loading
+#   stresstail / greedytail  stresslazy / greedylazy with gpu_layer_waits tail
 #   interference  wait_copy_interference.py: a load's host -> GPU copy alone and beside another process's
 #             wait kernel (polling every 2 / 20 / 200 us), matmuls, HBM-bound copies
 #   wordprobe word_write_probe.py: a signal-word write queued behind a 1 GiB copy, host -> host vs via the GPU
@@ -109,12 +110,13 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
               [ "$W" = 20 ] && X="$A20"
               KVBM_CONNECTOR_TRACE=$R/t${W}k_$F.jsonl $T "$R/ttft${W}k_$F.jsonl" \
                 lmcache_timed,ours_layerwise,ours_layerwise_tail $X $H $O --passes 2 >"$R/$s.log" 2>&1 ;;
-    stresslazy) python3 -m tests.stress.run --users 12 --turns 3 --gpu 0 --async-scheduling on --block-size 16 \
-              --dtype float32 --load-mode layerwise --kvbm-extra '{"gpu_layer_waits": true}' --passes none \
-              --skip-baseline-check --timeout 240 --work /tmp/sw --out "$R/stress_lazy_gpuwait.json" \
-              >"$R/stresslazy.log" 2>&1 ;;
-    greedylazy) $T "$R/greedy8_gpuwait_graphs.jsonl" baseline,ours_layerwise_gpuwait $G8 --cuda-graphs --timeout 600 \
-               >"$R/greedylazy.log" 2>&1 ;;
+    stresslazy|stresstail) V=true; N=stress_lazy_gpuwait; [ $s = stresstail ] && V='"tail"' && N=stress_tail
+              python3 -m tests.stress.run --users 12 --turns 3 --gpu 0 --async-scheduling on --block-size 16 \
+              --dtype float32 --load-mode layerwise --kvbm-extra "{\"gpu_layer_waits\": $V}" --passes none \
+              --skip-baseline-check --timeout 240 --work /tmp/sw --out "$R/$N.json" >"$R/$s.log" 2>&1 ;;
+    greedylazy|greedytail) V=gpuwait; [ $s = greedytail ] && V=tail
+               $T "$R/greedy8_${V}_graphs.jsonl" baseline,ours_layerwise_$V $G8 --cuda-graphs --timeout 600 \
+               >"$R/$s.log" 2>&1 ;;
     interference) timeout 300 python3 benchmarks/wait_copy_interference.py --json "$R/wait_copy_interference.json" \
                     >"$R/interference.log" 2>&1 ;;
     wordprobe) timeout 120 python3 benchmarks/word_write_probe.py --json "$R/word_write_probe.json" >"$R/wordprobe.log" 2>&1 ;;
