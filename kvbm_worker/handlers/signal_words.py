@@ -12,8 +12,9 @@ Why this shape (each measured on an H200, 2026-11-26):
 * not on the copy stream: with the engine's GPU layer waits a layerwise load's copy took ~8 ms
   longer with its words on the copy stream (8K 27.7 against 19.8 ms, 20K 63.7 against 54.9; the
   piece after each later group's word landed up to 2 ms late); beside it, a late word delays only its
-  wait, not the next group's bytes. (Written in the eighth session after its device time was
-  spent: ``tests/gpu`` and the runbook's ``interference`` step check it on the next GPU.)
+  wait, not the next group's bytes. Checked on an H100 (ninth session,
+  ``benchmarks/wait_copy_interference.py``): beside an engine's wait kernel and matmuls a copy with
+  its words on its stream took 1.45x as long as alone, with them beside it 1.05x.
 * not a stream memory operation: they hang on some drivers (``benchmarks/stream_wait_probe.py``).
 
 Invariant: the pinned and device words are a ring of :data:`WORDS` entries; a job waits for its

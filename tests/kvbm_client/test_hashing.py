@@ -310,3 +310,16 @@ def test_token_ids_beyond_32_bits_are_refused(bad: int) -> None:
         identity_keys([1, 2, 3, bad])
     with pytest.raises(ValueError):
         BlockIdentity(NS, 0)
+
+
+def test_a_parent_or_salt_wider_than_64_bits_chains_on_its_low_64_bits() -> None:
+    """An engine's own hash may be longer than 8 bytes (``engine_hashes``); extending it chains
+    on its low 64 bits, as the formula's 8-byte ``prev`` does, and the salt is taken mod 2**64."""
+    tokens = make_tokens(2 * BS, start=7)
+    wide = bytes(range(1, 17))  # 16 bytes
+    narrow = wide[-8:]
+    assert sequence_hashes(tokens, BS, parent=wide) == sequence_hashes(tokens, BS, parent=narrow)
+    assert sequence_hashes(tokens, BS, salt=(1 << 64) + 5) == sequence_hashes(tokens, BS, salt=5)
+    first = xxhash.xxh3_64_intdigest(array("I", tokens[:BS]).tobytes(), seed=0)
+    expected = xxhash.xxh3_64_intdigest(narrow + first.to_bytes(8, "big"), seed=0)
+    assert sequence_hashes(tokens, BS, parent=wide)[0] == expected.to_bytes(8, "big")
