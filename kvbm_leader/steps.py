@@ -99,15 +99,14 @@ class StoreStepper(_Cursor):
 class LoadStepper(_Cursor):
     """``prepare_load``: pin the longest ready prefix (the hot path of every request)."""
 
-    def __init__(self, policy: "PlacementPolicy", job_id: JobId, keys: Sequence[BlockHash],
-                 count_hit: bool = False) -> None:
-        self.policy, self.keys, self.count_hit = policy, keys, count_hit
+    def __init__(self, policy: "PlacementPolicy", job_id: JobId, keys: Sequence[BlockHash]) -> None:
+        self.policy, self.keys = policy, keys
         self.plan = JobPlacement(job_id, PlanKind.LOAD)
         self.total = len(keys)
 
     def _do(self, start: int, stop: int) -> bool:
         reg, plan = self.policy.registry, self.plan
-        blocks, first = reg.blocks, len(plan.keys)
+        blocks = reg.blocks
         go_on = True
         for i in range(start, stop):
             key = self.keys[i]
@@ -120,8 +119,6 @@ class LoadStepper(_Cursor):
             plan.keys.append(key)
             plan.tiers.append(tier)
             plan.slots.append(entry.copies[tier].slot)
-        if self.count_hit:  # the same prefix a match would find: a hit each, without a second pass
-            self.policy.frequency.hit_many(plan.keys[first:])
         return go_on
 
     def run(self) -> JobPlacement:

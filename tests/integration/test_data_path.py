@@ -123,6 +123,24 @@ def test_a_store_writes_at_most_its_demotion_budget_to_g3(make_node):
     assert counters["kvbm_offload_blocks_h2d"] == 1 and counters["kvbm_evicted_blocks"] == 3
 
 
+def test_a_loads_hit_counts_for_the_disk_offload_filter(make_node):
+    """The leader counts a ``PrepareLoad``'s hit after it answered (off the lookup's critical
+    path); it still makes the loaded blocks frequent: under G2 pressure they go to G3 and a
+    one-off block does not."""
+    node = make_node(DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS="8", DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS="32",
+                     DYN_KVBM_HOST_FREE_WATERMARK="0")
+    client, _ = node.ready_client()
+    loaded, one_off, filler = hashes(4, 11), hashes(4, 12), hashes(8, 13)
+    client.wait(client.offload(loaded, [0, 1, 2, 3]))
+    client.wait(client.offload(one_off, [4, 5, 6, 7]))
+    handle = client.prepare_load(loaded, count_hit=True, tokens_per_block=16)
+    assert handle.num_blocks == 4
+    client.release(handle)  # (not copied: the hit is what counts)
+    client.wait(client.offload(filler, list(range(8, 16))))  # G2 full: evicts all eight
+    assert client.match(loaded, count_hit=False).tiers == (Tier.DISK,) * 4
+    assert client.match(one_off, count_hit=False).num_matched == 0, "a one-off block was written to disk"
+
+
 @pytest.mark.parametrize("filter_disabled", [False, True])
 def test_g2_pressure_moves_frequent_blocks_to_g3(make_node, filter_disabled):
     node = make_node(DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS="8", DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS="32",
