@@ -56,6 +56,8 @@
 #   stresslazy  the stress step with GPU layer waits under lazy loading (gpu_layer_waits true)
 #   greedylazy  greedyg with GPU layer waits under lazy loading
 #   stresstail / greedytail  stresslazy / greedylazy with gpu_layer_waits tail
+#   proof20 / proof8 / proof20g / proof8g  issue 13's proof: native, LMCache, Dynamo, kvbm (default and tail)
+#             in one run, 2 passes (graphs: vLLM alone too, the cold target's reference)
 #   interference  wait_copy_interference.py: a load's host -> GPU copy alone and beside another process's
 #             wait kernel (polling every 2 / 20 / 200 us), matmuls, HBM-bound copies
 #   wordprobe word_write_probe.py: a signal-word write queued behind a 1 GiB copy, host -> host vs via the GPU
@@ -110,6 +112,11 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
               [ "$W" = 20 ] && X="$A20"
               KVBM_CONNECTOR_TRACE=$R/t${W}k_$F.jsonl $T "$R/ttft${W}k_$F.jsonl" \
                 lmcache_timed,ours_layerwise,ours_layerwise_tail $X $H $O --passes 2 >"$R/$s.log" 2>&1 ;;
+    proof20|proof8|proof20g|proof8g) W=${s#proof}; X=""; F=proof; S=""; O="--timeout 300"
+              if [ "${W%g}" != "$W" ]; then W=${W%g}; F=proofg; S=baseline,; O="--timeout 600 --cuda-graphs"; fi
+              [ "$W" = 20 ] && X="$A20"
+              KVBM_CONNECTOR_TRACE=$R/t${W}k_$F.jsonl $T "$R/ttft${W}k_$F.jsonl" \
+                ${S}native,lmcache,dynamo,ours_layerwise,ours_layerwise_tail $X $H $O --passes 2 >"$R/$s.log" 2>&1 ;;
     stresslazy|stresstail) V=true; N=stress_lazy_gpuwait; [ $s = stresstail ] && V='"tail"' && N=stress_tail
               python3 -m tests.stress.run --users 12 --turns 3 --gpu 0 --async-scheduling on --block-size 16 \
               --dtype float32 --load-mode layerwise --kvbm-extra "{\"gpu_layer_waits\": $V}" --passes none \
