@@ -8,7 +8,7 @@ milliseconds. Limits: a store that needs more slots than its tier has is refused
 client never evicts more than it stores. A request overtaken by a reset (a worker lost, pools
 re-planned) answers as if the pools were not ready; one whose session ended meanwhile is
 rolled back and refused. A load's hit (``count_hit``: the frequency the G2 -> G3 offload
-filter reads) is counted in the loop turn after its answer, off the lookup's critical path.
+filter reads) is counted after its answer, off the lookup's critical path.
 ``DYN_LOG=debug`` logs one line per offload and onboard decision.
 
 A load is cost-aware (:mod:`.onboard_cost`) when the client sends its prefill speed: the
@@ -37,7 +37,7 @@ from .rebalancer import Rebalancer
 from .refusals import Refused, Why
 from .sessions import SessionTable
 from .slicing import run_sliced
-from .steps import CompletionStepper, LoadStepper, MatchStepper, StoreStepper
+from .steps import CompletionStepper, HitStepper, LoadStepper, MatchStepper, StoreStepper
 
 log = logging.getLogger("kvbm.leader")
 
@@ -59,6 +59,7 @@ class RequestPlanner:
         self.feed = feed
         self.metrics = metrics
         self.costs = costs or OnboardCosts()
+        self._hits: set[asyncio.Future[bool]] = set()  # loads' hits being counted (held until done)
 
     # ------------------------------------------------------------------ lookups
     async def match(self, keys: Sequence[BlockHash], count_hit: bool, tokens_per_block: int) -> MatchResult:
@@ -128,10 +129,12 @@ class RequestPlanner:
             return JobPlacement(NO_JOB, PlanKind.LOAD), None
         plan = stepper.plan
         if count_hit and plan.keys:  # the same prefix a match would find: a hit each, without a second pass
-            # once this answer is on its way (a third of the lookup's work at 20K tokens); its only
-            # reader is the G2 -> G3 offload filter, a heuristic: a decision made meanwhile sees
-            # the hit one turn of the loop late
-            asyncio.get_running_loop().call_soon(self.placement.frequency.hit_many, list(plan.keys))
+            # once this answer is on its way (a third of the lookup's work at 20K tokens), in
+            # slices like any request's work; its only reader is the G2 -> G3 offload filter, a
+            # heuristic: a decision made meanwhile sees the hit a turn of the loop late
+            task = asyncio.ensure_future(run_sliced(HitStepper(self.placement, list(plan.keys)), self.placement))
+            self._hits.add(task)
+            task.add_done_callback(self._hits.discard)
         matched = MatchResult(len(plan.keys), tuple(plan.tiers))
         decision = self.costs.decide(plan.tiers, self.membership.shard_bytes(), tokens_per_block,
                                      prefill_tokens_per_s)

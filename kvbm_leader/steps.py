@@ -126,6 +126,18 @@ class LoadStepper(_Cursor):
         return self.plan
 
 
+class HitStepper(_Cursor):
+    """A load's hit (``count_hit``): each key's frequency doubled (the disk offload filter's)."""
+
+    def __init__(self, policy: "PlacementPolicy", keys: Sequence[BlockHash]) -> None:
+        self.policy, self.keys = policy, keys
+        self.total = len(keys)
+
+    def _do(self, start: int, stop: int) -> bool:
+        self.policy.frequency.hit_many(self.keys[start:stop])
+        return True
+
+
 class MatchStepper(_Cursor):
     """``match``: the longest ready prefix (``count_hit``: a use of each block, and a hit)."""
 
