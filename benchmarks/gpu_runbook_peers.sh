@@ -102,21 +102,19 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
                lmcache,ours_layerwise,ours_layerwise_cpuwait $A20 $H --timeout 300 --passes 2 >"$R/waits20.log" 2>&1 ;;
     waits8) KVBM_CONNECTOR_TRACE=$R/t8k_waits.jsonl $T "$R/ttft8k_waits.jsonl" \
                lmcache,dynamo,ours_layerwise,ours_layerwise_cpuwait $H --timeout 300 --passes 2 >"$R/waits8.log" 2>&1 ;;
-    lazy20|lazy8|lazy20g|lazy8g) W=${s#lazy}; X=""; F=lazy; S=""; O="--timeout 300"
-              if [ "${W%g}" != "$W" ]; then W=${W%g}; F=lazyg; S=baseline,; O="--timeout 600 --cuda-graphs"; fi
+    lazy20|lazy8|lazy20g|lazy8g|tail20|tail8|tail20g|tail8g|proof20|proof8|proof20g|proof8g)
+              P=${s%%[0-9]*}; W=${s#$P}; X=""; F=$P; S=""; O="--timeout 300"
+              case $P in
+                lazy) Y=lmcache_timed,ours_layerwise,ours_layerwise_gpuwait ;;
+                tail) Y=lmcache_timed,ours_layerwise,ours_layerwise_tail ;;
+                proof) Y=native,lmcache,dynamo,ours_layerwise,ours_layerwise_tail ;;
+              esac
+              if [ "${W%g}" != "$W" ]; then  # graphs; vLLM alone beside them, but not in the tail A/B
+                W=${W%g}; F=${P}g; O="--timeout 600 --cuda-graphs"; [ $P = tail ] || S=baseline,
+              fi
               [ "$W" = 20 ] && X="$A20"
               KVBM_CONNECTOR_TRACE=$R/t${W}k_$F.jsonl $T "$R/ttft${W}k_$F.jsonl" \
-                ${S}lmcache_timed,ours_layerwise,ours_layerwise_gpuwait $X $H $O --passes 2 >"$R/$s.log" 2>&1 ;;
-    tail20|tail8|tail20g|tail8g) W=${s#tail}; X=""; F=tail; O="--timeout 300"
-              if [ "${W%g}" != "$W" ]; then W=${W%g}; F=tailg; O="--timeout 600 --cuda-graphs"; fi
-              [ "$W" = 20 ] && X="$A20"
-              KVBM_CONNECTOR_TRACE=$R/t${W}k_$F.jsonl $T "$R/ttft${W}k_$F.jsonl" \
-                lmcache_timed,ours_layerwise,ours_layerwise_tail $X $H $O --passes 2 >"$R/$s.log" 2>&1 ;;
-    proof20|proof8|proof20g|proof8g) W=${s#proof}; X=""; F=proof; S=""; O="--timeout 300"
-              if [ "${W%g}" != "$W" ]; then W=${W%g}; F=proofg; S=baseline,; O="--timeout 600 --cuda-graphs"; fi
-              [ "$W" = 20 ] && X="$A20"
-              KVBM_CONNECTOR_TRACE=$R/t${W}k_$F.jsonl $T "$R/ttft${W}k_$F.jsonl" \
-                ${S}native,lmcache,dynamo,ours_layerwise,ours_layerwise_tail $X $H $O --passes 2 >"$R/$s.log" 2>&1 ;;
+                $S$Y $X $H $O --passes 2 >"$R/$s.log" 2>&1 ;;
     stresslazy|stresstail) V=true; N=stress_lazy_gpuwait; [ $s = stresstail ] && V='"tail"' && N=stress_tail
               python3 -m tests.stress.run --users 12 --turns 3 --gpu 0 --async-scheduling on --block-size 16 \
               --dtype float32 --load-mode layerwise --kvbm-extra "{\"gpu_layer_waits\": $V}" --passes none \

@@ -186,8 +186,8 @@ def sequence_hashes(tokens: Sequence[int], block_size: int, salt: int = 0,
     prev = int.from_bytes(parent, "big") & _U64 if parent is not None else None
     seed = salt & _U64
     full = len(tokens) // block_size * block_size
-    # every full block's tokens as uint32 in one conversion, hashed through views: half the
-    # Python work per block of converting each block's slice (20K tokens: 0.9 against 1.7 ms)
+    # every full block's tokens as uint32 in one conversion, hashed through views (as
+    # BlockIdentity.update does), not one conversion per block's slice
     data, step = memoryview(array("I", tokens[:full]).tobytes()), 4 * block_size
     digest, pair, one = xxhash.xxh3_64_intdigest, _PAIR.pack, _ONE.pack
     for off in range(0, 4 * full, step):

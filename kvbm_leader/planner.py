@@ -129,7 +129,7 @@ class RequestPlanner:
             return JobPlacement(NO_JOB, PlanKind.LOAD), None
         plan = stepper.plan
         if count_hit and plan.keys:  # the same prefix a match would find: a hit each, without a second pass
-            # once this answer is on its way (a third of the lookup's work at 20K tokens), in
+            # once this answer is on its way (over a quarter of the lookup's work at 20K tokens), in
             # slices like any request's work; its only reader is the G2 -> G3 offload filter, a
             # heuristic: a decision made meanwhile sees the hit a turn of the loop late
             task = asyncio.ensure_future(run_sliced(HitStepper(self.placement, list(plan.keys)), self.placement))
