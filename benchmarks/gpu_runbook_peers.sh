@@ -58,6 +58,8 @@
 #   stresstail / greedytail  stresslazy / greedylazy with gpu_layer_waits tail
 #   proof20 / proof8 / proof20g / proof8g  issue 13's proof: native, LMCache, Dynamo, kvbm (default and tail)
 #             in one run, 2 passes (graphs: vLLM alone too, the cold target's reference)
+#   spy20g    20K graphs, LMCache then kvbm, each engine process sampled by py-spy (spy20g_<pid>.txt:
+#             why kvbm's forward costs the engine's thread more CPU than LMCache's under graphs)
 #   interference  wait_copy_interference.py: a load's host -> GPU copy alone and beside another process's
 #             wait kernel (polling every 2 / 20 / 200 us), matmuls, HBM-bound copies
 #   wordprobe word_write_probe.py: a signal-word write queued behind a 1 GiB copy, host -> host vs via the GPU
@@ -122,6 +124,15 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
     greedylazy|greedytail) V=gpuwait; [ $s = greedytail ] && V=tail
                $T "$R/greedy8_${V}_graphs.jsonl" baseline,ours_layerwise_$V $G8 --cuda-graphs --timeout 600 \
                >"$R/$s.log" 2>&1 ;;
+    spy20g) rm -f "$R/spy.stop"  # py-spy (collapsed stacks, every thread) of each engine process, in order
+            ( seen=""; until [ -f "$R/spy.stop" ]; do
+                for p in $(pgrep -f 'EngineCore|spawn_main'); do case " $seen " in *" $p "*) ;; *) seen="$seen $p"
+                  echo "$(date +%T) pid $p: $(tr '\0' ' ' </proc/$p/cmdline | cut -c1-80)" >>"$R/spy.log"
+                  /tmp/site/bin/py-spy record --pid $p --rate 200 --format raw --threads --nonblocking \
+                    -o "$R/spy20g_$p.txt" >>"$R/spy.log" 2>&1 & ;; esac; done; sleep 2; done; wait ) &
+            KVBM_CONNECTOR_TRACE=$R/t20k_spyg.jsonl $T "$R/ttft20k_spyg.jsonl" lmcache,ours_layerwise $A20 $H \
+              --timeout 600 --cuda-graphs >"$R/spy20g.log" 2>&1
+            touch "$R/spy.stop"; wait ;;
     interference) timeout 300 python3 benchmarks/wait_copy_interference.py --json "$R/wait_copy_interference.json" \
                     >"$R/interference.log" 2>&1 ;;
     wordprobe) timeout 120 python3 benchmarks/word_write_probe.py --json "$R/word_write_probe.json" >"$R/wordprobe.log" 2>&1 ;;
