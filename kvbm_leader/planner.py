@@ -19,12 +19,12 @@ a hit that finds one running promotes nothing, and the next hit on those blocks 
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Sequence
 
 from kvbm_client.contract import MatchResult, pb
 from kvbm_client.ids import BlockHash, JobId, PlanKind, SessionId, Tier
+from kvbm_client.tasks import TaskSet
 
 from .decisions import JobPlacement
 from .events import KvEventFeed
@@ -59,7 +59,7 @@ class RequestPlanner:
         self.feed = feed
         self.metrics = metrics
         self.costs = costs or OnboardCosts()
-        self._hits: set[asyncio.Future[bool]] = set()  # loads' hits being counted (held until done)
+        self._hits = TaskSet(log, "hit count")  # loads' hits being counted (held until done)
 
     # ------------------------------------------------------------------ lookups
     async def match(self, keys: Sequence[BlockHash], count_hit: bool, tokens_per_block: int) -> MatchResult:
@@ -132,9 +132,8 @@ class RequestPlanner:
             # once this answer is on its way (over a quarter of the lookup's work at 20K tokens), in
             # slices like any request's work; its only reader is the G2 -> G3 offload filter, a
             # heuristic: a decision made meanwhile sees the hit a turn of the loop late
-            task = asyncio.ensure_future(run_sliced(HitStepper(self.placement, list(plan.keys)), self.placement))
-            self._hits.add(task)
-            task.add_done_callback(self._hits.discard)
+            self._hits.spawn(run_sliced(HitStepper(self.placement, list(plan.keys)), self.placement),
+                             f"job={plan.job_id}")
         matched = MatchResult(len(plan.keys), tuple(plan.tiers))
         decision = self.costs.decide(plan.tiers, self.membership.shard_bytes(), tokens_per_block,
                                      prefill_tokens_per_s)

@@ -12,12 +12,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Coroutine, Sequence
+from typing import Sequence
 
 from kvbm_client.config import KvbmConfig
 from kvbm_client.contract import pb
 from kvbm_client.ids import BlockHash, JobId, PlanKind, Tier, WorkerId
 from kvbm_client.security import NodeKey, ack_is_authentic
+from kvbm_client.tasks import TaskSet
 
 from .commands import CommandTransport
 from .commands.base import AckCheck
@@ -49,7 +50,7 @@ class Rebalancer:
         self.feed = feed
         self.costs = costs or OnboardCosts()
         self._in_flight: set[PlanKind] = set()  # DEMOTE and/or PROMOTE
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet(log, "rebalancer command")  # the commands in flight (held until done)
 
     def in_flight(self, kind: PlanKind) -> bool:
         return kind in self._in_flight
@@ -90,12 +91,7 @@ class Rebalancer:
     # ------------------------------------------------------------------ commands
     def _dispatch(self, kind: PlanKind, job: Job, signed: "pb.SignedPlan") -> None:
         self._in_flight.add(kind)
-        self._spawn(self._send(kind, job, signed))
-
-    def _spawn(self, coro: Coroutine[None, None, None]) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(self._send(kind, job, signed), f"job={job.job_id}")
 
     async def _send(self, kind: PlanKind, job: Job, signed: "pb.SignedPlan") -> None:
         try:
@@ -133,10 +129,4 @@ class Rebalancer:
 
     async def close(self) -> None:
         """Cancel the commands in flight (their jobs expire with the leader)."""
-        for task in list(self._tasks):
-            task.cancel()
-        for task in list(self._tasks):
-            try:
-                await task
-            except (asyncio.CancelledError, Exception):
-                pass
+        await self._tasks.close()

@@ -36,6 +36,7 @@ from kvbm_client.contract import pb
 from kvbm_client.endpoints import prepare_unix_socket, remove_unix_socket
 from kvbm_client.region_wire import HEADER, frame, frame_length, peer_credentials
 from kvbm_client.security import region_digest
+from kvbm_client.tasks import TaskSet
 
 from .errors import RegionRejected
 from .region_registry import RegionRegistry
@@ -72,7 +73,7 @@ class RegionSocket:
         self._closing = closing
         self._listener: socket.socket | None = None
         self._accept_task: asyncio.Task[None] | None = None
-        self._connections: set[asyncio.Task[None]] = set()
+        self._connections = TaskSet(log, "region socket connection")
         self._pending = 0
 
     async def start(self) -> None:
@@ -93,10 +94,10 @@ class RegionSocket:
     async def close(self) -> None:
         """Stop accepting, end every connection (the regions stay with the registry, which
         the service closes after the copies drained); idempotent."""
-        tasks = ([self._accept_task] if self._accept_task else []) + list(self._connections)
+        tasks = [self._accept_task] if self._accept_task else []
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, self._connections.close(), return_exceptions=True)
         self._accept_task = None
         if self._listener is not None:
             self._listener.close()
@@ -115,9 +116,7 @@ class RegionSocket:
                 await asyncio.sleep(0.1)
                 continue
             conn.setblocking(False)
-            task = asyncio.ensure_future(self._serve(conn))
-            self._connections.add(task)
-            task.add_done_callback(self._connections.discard)
+            self._connections.spawn(self._serve(conn))
 
     async def _serve(self, conn: socket.socket) -> None:
         try:

@@ -40,6 +40,7 @@ import grpc
 from kvbm_client.contract import MAX_LAYER_GROUPS, pb
 from kvbm_client.ids import JobId, PlanKind, Tier, WorkerId
 from kvbm_client.security import NodeKey, sign_ack
+from kvbm_client.tasks import TaskSet
 
 from .allocation import PoolAllocator
 from .errors import CopyExpired, CopyFailed, JobFailed, PlanRejected, Refusal, SlotsFailed
@@ -101,7 +102,7 @@ class JobRunner:
         self.counters = Counters()
         self.closing = False
         self._jobs = JobTable()
-        self._reports: set[asyncio.Task[bool]] = set()
+        self._reports = TaskSet(log, "report")  # of loads, sent beside their answers
 
     def _guard(self) -> None:
         if self.closing:
@@ -234,9 +235,7 @@ class JobRunner:
         if not store:
             # The bytes are in the engine's memory: answer now and confirm to the leader beside
             # it (its only effect is to unpin the slots, which a lost report does at the deadline).
-            task = asyncio.ensure_future(self.gate.report(report))
-            self._reports.add(task)
-            task.add_done_callback(self._reports.discard)
+            self._reports.spawn(self.gate.report(report), f"job {batch.job_id}")
             return moved
         if not await self.gate.report(report):
             raise JobFailed(Code.ABORTED, f"job {batch.job_id}: bytes stored but the leader did not confirm them")

@@ -5,7 +5,7 @@ attached with the daemon token), dropped when the worker detaches.
 """
 from __future__ import annotations
 
-import asyncio
+import logging
 from typing import Any, Callable
 
 import grpc
@@ -15,9 +15,12 @@ from kvbm_client.config import KvbmConfig
 from kvbm_client.contract import pb, rpc
 from kvbm_client.ids import WorkerId
 from kvbm_client.security import NodeKey
+from kvbm_client.tasks import TaskSet
 
 from ..membership import WorkerRecord
 from .base import AckCheck, CommandAck, CommandTransport
+
+log = logging.getLogger("kvbm.leader")
 
 # The call ended without the worker's word on the job: the copy may still run.
 _UNKNOWN = {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE,
@@ -31,7 +34,7 @@ class GrpcCommands(CommandTransport):
         self.config = config
         self.token = node_key.daemon_token
         self._stubs: dict[WorkerId, tuple[Any, Any]] = {}  # worker -> (aio channel, WorkerStub)
-        self._closing: set[asyncio.Task[None]] = set()
+        self._closing = TaskSet(log, "channel close")  # channels of forgotten workers (held until closed)
 
     async def send(self, worker: WorkerRecord, request: "pb.CommandRequest", timeout: float,
                    accept: AckCheck) -> CommandAck:
@@ -52,9 +55,7 @@ class GrpcCommands(CommandTransport):
     def forget(self, worker_id: WorkerId) -> None:
         entry = self._stubs.pop(worker_id, None)
         if entry is not None:
-            task = asyncio.ensure_future(entry[0].close())
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
+            self._closing.spawn(entry[0].close(), f"worker {worker_id}")
 
     async def close(self) -> None:
         for channel, _ in list(self._stubs.values()):
