@@ -51,12 +51,14 @@
 #   lazy20g / lazy8g  lazy20 / lazy8 with CUDA graphs (PIECEWISE for kvbm: its layer hooks run between
 #             the pieces; the forward's CPU time is small there, so the copy bounds both systems), and
 #             vLLM alone (baseline: the cold-TTFT target's reference)
-#   tail20 / tail8 / tail20g / tail8g  lazy20 / lazy8 / lazy20g / lazy8g with kvbm's default (CPU layer waits)
-#             beside ours_layerwise_tail (gpu_layer_waits tail: only the last layers' waits on the GPU)
+#   tail20 / tail8 / tail20g / tail8g  lazy20 / lazy8 / lazy20g / lazy8g with kvbm's earlier default
+#             (ours_layerwise_eager: CPU layer waits under lazy loading) beside the default since the tenth
+#             session (ours_layerwise: gpu_layer_waits tail, only the last layers' waits on the GPU)
 #   stresslazy  the stress step with GPU layer waits under lazy loading (gpu_layer_waits true)
 #   greedylazy  greedyg with GPU layer waits under lazy loading
 #   stresstail / greedytail  stresslazy / greedylazy with gpu_layer_waits tail
-#   proof20 / proof8 / proof20g / proof8g  issue 13's proof: native, LMCache, Dynamo, kvbm (default and tail)
+#   proof20 / proof8 / proof20g / proof8g  issue 13's proof: native, LMCache, Dynamo, kvbm (its default; until
+#             the tenth session also ours_layerwise_tail beside the then default)
 #             in one run, 2 passes (graphs: vLLM alone too, the cold target's reference)
 #   spy20g    20K graphs, LMCache then kvbm, each engine process sampled by py-spy (spy20g_<pid>.txt:
 #             why kvbm's forward costs the engine's thread more CPU than LMCache's under graphs)
@@ -108,8 +110,8 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
               P=${s%%[0-9]*}; W=${s#$P}; X=""; F=$P; S=""; O="--timeout 300"
               case $P in
                 lazy) Y=lmcache_timed,ours_layerwise,ours_layerwise_gpuwait ;;
-                tail) Y=lmcache_timed,ours_layerwise,ours_layerwise_tail ;;
-                proof) Y=native,lmcache,dynamo,ours_layerwise,ours_layerwise_tail ;;
+                tail) Y=lmcache_timed,ours_layerwise_eager,ours_layerwise ;;  # (tail is the default)
+                proof) Y=native,lmcache,dynamo,ours_layerwise ;;
               esac
               if [ "${W%g}" != "$W" ]; then  # graphs; vLLM alone beside them, but not in the tail A/B
                 W=${W%g}; F=${P}g; O="--timeout 600 --cuda-graphs"; [ $P = tail ] || S=baseline,

@@ -63,8 +63,10 @@ LAYER_HOOKS = ("dynamo",)
 #: auto, early loads on where safe); ours_layerwise_noearly: the worker role starts every load (A/B);
 #: ours_layerwise_cpuwait: the forward's layer waits on the CPU, as before GPU layer waits (A/B);
 #: ours_layerwise_gpuwait: the layer waits on the GPU whatever CUDA's module loading (lazy here;
-#: gpu_layer_waits true, the default "eager" keeps them on the CPU under lazy loading) (A/B);
-#: ours_layerwise_tail: only the last layers' waits on the GPU (gpu_layer_waits tail) (A/B);
+#: gpu_layer_waits true) (A/B); ours_layerwise_eager: gpu_layer_waits "eager", the default until
+#: 2026-11-26 (tenth session), which keeps them on the CPU under lazy loading (A/B);
+#: ours_layerwise_tail: only the last layers' waits on the GPU (gpu_layer_waits tail, the default
+#: since then: the same as ours_layerwise, kept so that older runbook steps still run);
 #: ours_layerwise_g4 / _g3: layer-pipelined loads in 4 / 3 layer groups instead of 6 (A/B)
 OURS = {"ours": {}, "ours_sync": {"load_mode": "sync"}, "ours_async": {"load_mode": "async"},
         "ours_layerwise": {"load_mode": "layerwise"},
@@ -72,6 +74,7 @@ OURS = {"ours": {}, "ours_sync": {"load_mode": "sync"}, "ours_async": {"load_mod
         "ours_layerwise_cpuwait": {"load_mode": "layerwise", "gpu_layer_waits": False},
         "ours_layerwise_gpuwait": {"load_mode": "layerwise", "gpu_layer_waits": True},
         "ours_layerwise_tail": {"load_mode": "layerwise", "gpu_layer_waits": "tail"},
+        "ours_layerwise_eager": {"load_mode": "layerwise", "gpu_layer_waits": "eager"},
         "ours_layerwise_g4": {"load_mode": "layerwise", "layer_groups": 4},
         "ours_layerwise_g3": {"load_mode": "layerwise", "layer_groups": 3}}
 SYSTEMS = ("recompute", "baseline", "native", "lmcache", "lmcache_timed", "dynamo", *OURS)
@@ -114,8 +117,8 @@ def system_kwargs(name, g2_gb, pass_index=0):
             extra = kw["kv_transfer_config"].setdefault("kv_connector_extra_config", {})
             extra["namespace"] = f"{extra.get('namespace') or name}_pass{pass_index}"
         env.update(DYN_KVBM_CPU_CACHE_GB=str(g2_gb))
-        # KVBM_EAGER=1 starts kvbm's engines with eager module loading (gpu_layer_waits "eager", the
-        # default, puts the layer waits on the GPU only then; ours_layerwise_gpuwait does under lazy
+        # KVBM_EAGER=1 starts kvbm's engines with eager module loading (gpu_layer_waits "eager"
+        # puts the layer waits on the GPU only then; ours_layerwise_gpuwait does under lazy
         # loading too). NOTE: vLLM 0.26 then did not start within 300 s on the H200 (2026-11-26)
         if os.environ.get("KVBM_EAGER") == "1":
             env.update(CUDA_MODULE_LOADING="EAGER")

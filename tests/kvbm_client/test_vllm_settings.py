@@ -37,11 +37,12 @@ def test_a_malformed_early_loads_flag_is_refused(settings):
         settings.ConnectorSettings.from_extra({"early_loads": "sometimes"}, "ns")
 
 
-@pytest.mark.parametrize("value,expected", [(None, "eager"), ("eager", "eager"), ("EAGER", "eager"),
+@pytest.mark.parametrize("value,expected", [(None, "tail"), ("eager", "eager"), ("EAGER", "eager"),
                                             (True, "true"), ("on", "true"), (False, "false"), ("0", "false"),
                                             ("tail", "tail"), (" Tail", "tail")])
-def test_gpu_layer_waits_default_to_eager_loading_only(settings, value, expected):
-    """Default "eager": GPU layer waits only where CUDA loads kernels eagerly; true: under lazy
+def test_gpu_layer_waits_default_to_the_last_layers_only(settings, value, expected):
+    """Default "tail": only the last layers' waits on the GPU, under either module loading;
+    "eager": every wait on the GPU only where CUDA loads kernels eagerly; true: under lazy
     loading too; false: always on the CPU."""
     extra = {} if value is None else {"gpu_layer_waits": value}
     got = settings.ConnectorSettings.from_extra(extra, "ns").gpu_layer_waits
