@@ -311,3 +311,42 @@ def test_the_trace_marks_when_the_engine_allocated_a_hits_blocks(tmp_path, monke
     whats = [e["what"] for e in events]
     assert whats.index("prepare_load") < whats.index("allocated") < whats.index("early_load")
     assert next(e for e in events if e["what"] == "allocated")["blocks"] == 5
+
+
+def test_a_second_turn_asks_the_leader_with_the_keys_a_fresh_identity_gives(tmp_path, monkeypatch):
+    """The next turn of a conversation (the last turn's prompt and output, then new text) starts
+    from the last turn's identity (the core's IdentityCache): the lookup's keys are exactly a
+    fresh BlockIdentity's, and the trace says how many blocks were reused, not hashed."""
+    import json
+    import random
+
+    from kvbm_client.connectors.core import tracing
+    from kvbm_client.hashing import BlockIdentity
+    path = tmp_path / "trace.jsonl"
+    monkeypatch.setattr(tracing, "TRACE_PATH", str(path))
+    rnd = random.Random(5)
+    leader = FakeLeader()
+    core = make(leader)
+    turn1 = Request("t1", [rnd.randrange(128_256) for _ in range(10 * BS + 1)])
+    run_prefill(core, turn1, list(range(11)))
+    turn1.all_token_ids += [rnd.randrange(128_256) for _ in range(2 * BS + 2)]  # its output
+    core.assign_blocks("t1", [11, 12, 13], replace=False)
+    core.step({"t1": len(turn1.all_token_ids)})
+    assert core.finished("t1") is True
+    turn2 = Request("t2", turn1.all_token_ids + [rnd.randrange(128_256) for _ in range(3 * BS + 1)])
+    tokens, _ = core.lookup(turn2, 0)
+    fresh = BlockIdentity(core.settings.namespace, BS, RequestExtras()).update(turn2.all_token_ids)
+    last = (len(turn2.all_token_ids) - 1) // BS
+    assert leader.calls[-1] == ("prepare_load", fresh[:last])
+    assert tokens == 12 * BS, "the first turn's stored blocks (prompt and output) are hits"
+    lookups = [e for e in map(json.loads, path.read_text().splitlines()) if e["what"] == "prepare_load"]
+    assert [e["reused"] for e in lookups] == [0, 12]
+    assert "hash_ms" in lookups[-1]
+    edited = list(turn2.all_token_ids)  # the same conversation with a token edited inside turn 1
+    edited[5 * BS + 1] += 1
+    core.lookup(Request("t2-edited", edited), 0)
+    fresh = BlockIdentity(core.settings.namespace, BS, RequestExtras()).update(edited)
+    assert leader.calls[-1] == ("prepare_load", fresh[:last])
+    other = make(FakeLeader())  # another scheduler role: its own cache, nothing to reuse
+    other.lookup(Request("t3", list(turn2.all_token_ids)), 0)
+    assert json.loads(path.read_text().splitlines()[-1])["reused"] == 0

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Protocol, Sequence
 
 from ...handles import TransferHandle
-from ...hashing import BlockIdentity, RequestExtras
+from ...hashing import BlockIdentity, IdentityCache, RequestExtras
 from ...ids import BlockHash, EngineBlockId
 from .early_loads import EarlyLoads
 from .leader_link import LeaderPort
@@ -119,6 +119,9 @@ class SchedulerCore:
         self._delayed: list[RequestId] = []
         #: the engine's prefill speed, sent with each lookup (see :mod:`.prefill`)
         self.prefill = PrefillMeter(settings.prefill_tokens_per_s)
+        #: recent requests' identities: a request that extends one (a conversation's next turn)
+        #: hashes only its new blocks; used from the scheduler thread only, as the whole core
+        self.identities = IdentityCache()
 
     # ------------------------------------------------------------------ requests
     def request(self, req_id: str) -> EngineRequest | None:
@@ -132,7 +135,8 @@ class SchedulerCore:
         state = self._reqs.get(req_id)
         if state is None:
             extras = self._extras_of(request)
-            identity = None if extras is None else BlockIdentity(self.settings.namespace, self.block_size, extras)
+            identity = (None if extras is None
+                        else BlockIdentity(self.settings.namespace, self.block_size, extras, self.identities))
             state = self._reqs[req_id] = RequestState(request, identity)
         return state
 
@@ -164,7 +168,8 @@ class SchedulerCore:
         if tracing():
             trace("prepare_load", req=request.request_id, asked=last - first,
                   planned=handle.num_blocks if handle is not None else 0,
-                  ms=round((time.perf_counter() - t1) * 1e3, 2), hash_ms=round((t1 - t0) * 1e3, 3))
+                  ms=round((time.perf_counter() - t1) * 1e3, 2), hash_ms=round((t1 - t0) * 1e3, 3),
+                  reused=state.identity.reused if state.identity is not None else 0)
         if handle is not None and handle.skipped_cost:
             log.debug("kvbm %s: %d matched blocks recomputed, not loaded (faster at %.0f prefill tokens/s)",
                       request.request_id, handle.skipped_cost, rate)
