@@ -1,9 +1,15 @@
 """The connector's lookup on a real node: one ``PrepareLoad`` (match, count the hit, pin) of a
 stored prefix, as the scheduler role sends it for every new request, timed from the engine's
-side, for one or more source trees in alternating passes.
+side, for one or more source trees in alternating passes; or (``--op store``) one
+``PrepareStore`` of new blocks, as the scheduler role sends it in each step of a cold prefill.
 
-    python3 benchmarks/lookup_latency.py [--blocks 1258] [--reps 200] [--passes 3]
+    python3 benchmarks/lookup_latency.py [--op load|store] [--blocks 1258] [--reps 200] [--passes 3]
                                          [--src DIR ...] [--json out.json]
+
+``--op store``: each timed ``PrepareStore`` offers ``--blocks`` keys never seen before (1024: the
+first step of a 20K-token cold prefill under vLLM's 16384-token step budget) and is then released
+(untimed), so the pool never fills; the leader plans a pending G2 copy per key and counts each in
+the disk offload filter.
 
 Each pass starts a leader and one CPU worker (child processes, real gRPC over unix sockets) from
 each ``--src`` checkout in turn (default: this one), offloads ``--blocks`` blocks (1258: a
@@ -38,11 +44,14 @@ from kvbm_client.local_node import LocalNode, isolated_env
 REPO = Path(__file__).resolve().parents[1]
 
 
-def one_pass(src: Path, blocks: int, reps: int) -> list[float]:
-    """Lookup round trips (ms) against a node run from ``src``."""
+def one_pass(src: Path, blocks: int, reps: int, op: str = "load") -> list[float]:
+    """Lookup (``op`` load) or store-planning (store) round trips (ms) against a node run from ``src``."""
     with tempfile.TemporaryDirectory(prefix="kvbm-lookup-", dir="/tmp") as tmp:
         root = Path(tmp)
-        env = isolated_env(root, {"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": blocks + 64, "DYN_LOG": "warning",
+        # a released store's slots stay reserved until its job expires (a worker may still write
+        # them): room for every timed store
+        pool = blocks * (reps + 10) + 64 if op == "store" else blocks + 64
+        env = isolated_env(root, {"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": pool, "DYN_LOG": "warning",
                                   "DYN_KVBM_HOST_FREE_WATERMARK": "0",
                                   "PYTHONPATH": os.pathsep.join(filter(None, [str(src), os.environ.get("PYTHONPATH")]))})
         keys = sequence_hashes(list(range(blocks * 16)), 16)
@@ -53,8 +62,10 @@ def one_pass(src: Path, blocks: int, reps: int) -> list[float]:
             try:
                 client.register_region("0", engine.spec())
                 client.wait_ready(60)
-                client.wait(client.offload(keys, list(range(blocks))))
                 session = LeaderSession(node.leader_address, timeout=10, config=config)
+                if op == "store":
+                    return store_samples(session, blocks, reps)
+                client.wait(client.offload(keys, list(range(blocks))))
                 samples = []
                 for i in range(reps + 10):  # the first 10 warm up and are dropped
                     t = time.perf_counter()
@@ -68,6 +79,25 @@ def one_pass(src: Path, blocks: int, reps: int) -> list[float]:
             finally:
                 client.close()
                 engine.close()
+    return samples
+
+
+def store_samples(session: LeaderSession, blocks: int, reps: int) -> list[float]:
+    """``PrepareStore`` round trips (ms) of ``blocks`` new keys each, every plan released."""
+    samples = []
+    try:
+        for i in range(reps + 10):  # the first 10 warm up and are dropped
+            keys = sequence_hashes(list(range(blocks * 16)), 16, salt=i + 1)
+            t = time.perf_counter()
+            handle = session.prepare_store(keys)
+            ms = (time.perf_counter() - t) * 1e3
+            assert handle.num_blocks == blocks, f"planned {handle.num_blocks} of {blocks} (skipped " \
+                                                f"{handle.skipped_present} present, {handle.skipped_full} full)"
+            session.release(handle)
+            if i >= 10:
+                samples.append(ms)
+    finally:
+        session.close()
     return samples
 
 
@@ -89,7 +119,10 @@ def client_side_ms(blocks: int, reps: int = 200) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--blocks", type=int, default=1258, help="blocks of the stored prefix [1258: 20K tokens]")
+    ap.add_argument("--op", choices=("load", "store"), default="load",
+                    help="time PrepareLoad of a stored prefix (load) or PrepareStore of new blocks (store) [load]")
+    ap.add_argument("--blocks", type=int, default=1258, help="blocks of the stored prefix (store: of each "
+                                                            "request) [1258: 20K tokens]")
     ap.add_argument("--reps", type=int, default=200, help="timed lookups per pass [200]")
     ap.add_argument("--passes", type=int, default=3, help="alternating passes over the sources [3]")
     ap.add_argument("--src", action="append", default=[], help="a checkout to run the daemons from (repeat: "
@@ -101,7 +134,7 @@ def main() -> int:
     per: dict[str, list[list[float]]] = {str(s): [] for s in srcs}
     for p in range(args.passes):
         for src in srcs:
-            samples = one_pass(src, args.blocks, args.reps)
+            samples = one_pass(src, args.blocks, args.reps, args.op)
             per[str(src)].append(samples)
             q = statistics.quantiles(samples, n=10)
             print(f"pass {p} {src}: p50 {statistics.median(samples):.2f} ms p90 {q[8]:.2f} ms", flush=True)
@@ -113,11 +146,12 @@ def main() -> int:
                      "p50_per_pass": [round(x, 3) for x in p50s], "p90_per_pass": [round(x, 3) for x in p90s]})
         print(f"{src}: p50 {rows[-1]['p50_ms']:.2f} ms (passes {rows[-1]['p50_per_pass']}), "
               f"p90 {rows[-1]['p90_ms']:.2f} ms")
-    client = client_side_ms(args.blocks)
-    print(f"client side alone (request built, answer read): {client:.3f} ms")
+    client = client_side_ms(args.blocks) if args.op == "load" else None
+    if client is not None:
+        print(f"client side alone (request built, answer read): {client:.3f} ms")
     if args.json:
-        Path(args.json).write_text(json.dumps({"provenance": record, "blocks": args.blocks, "reps": args.reps,
-                                               "rows": rows, "client_side_ms": round(client, 3)}, indent=1) + "\n")
+        Path(args.json).write_text(json.dumps({"provenance": record, "op": args.op, "blocks": args.blocks, "reps": args.reps,
+                                               "rows": rows, "client_side_ms": round(client, 3) if client is not None else None}, indent=1) + "\n")
     return 0
 
 

@@ -147,7 +147,8 @@ class BlockRegistry:
         pool.owners[slot] = entry.key
         if entry.pins:
             pool.pinned += 1
-        self._refresh(entry)
+        if job is None:  # NOTE: a pending copy changes no LRU membership (and is in none): no refresh
+            self._refresh(entry)
 
     def take_copy(self, entry: BlockEntry, tier: Tier) -> SlotId:
         """Take a copy away from its block without freeing the slot (the caller reuses it)."""

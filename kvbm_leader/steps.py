@@ -71,10 +71,7 @@ class StoreStepper(_Cursor):
             seen.add(key)
             # Dynamo's filter: 1 on first sight, doubled on each later sight. A block offered
             # again (another request computed the same prefix) is a later sight, stored or not.
-            if freq.frequency(key) > 0:
-                freq.hit(key)
-            else:
-                freq.observe(key)
+            freq.offer(key)
             entry = reg.get(key)
             if entry is not None and tier in entry.copies:
                 plan.skipped_present += 1

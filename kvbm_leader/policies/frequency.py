@@ -56,6 +56,21 @@ class FrequencyFilter:
         self._write(key, freq if freq > 0 else 1)
         return self.frequency(key)
 
+    def offer(self, key: BlockHash) -> None:
+        """A block offered for storing (``PrepareStore``): 1 on first sight (or once decayed to
+        0), doubled on each later sight, as :meth:`observe` then :meth:`hit` would do, in one
+        lookup (every stored key passes here)."""
+        table, step = self._table, self._step
+        entry = table.get(key)
+        if entry is not None:
+            freq = entry[0] - (step - entry[1])
+            table[key] = (2 * freq if freq > 0 else 1, step)
+            table.move_to_end(key)
+            return
+        table[key] = (1, step)  # a new key goes in last (most recently touched); only it grows the table
+        if len(table) > self.max_entries:
+            table.popitem(last=False)
+
     def hit(self, key: BlockHash) -> int:
         """A cache hit doubles the frequency (an unknown block counts as first seen, then hit)."""
         self.hit_many((key,))

@@ -187,3 +187,47 @@ def test_hit_many_is_hit_for_each_key() -> None:
     assert [one.frequency(key(i)) for i in range(6)] == [many.frequency(key(i)) for i in range(6)]
     assert len(one) == len(many) == 4  # the bound evicted the same least recent entry
     assert one.frequency(key(2)) == many.frequency(key(2)) == 0
+
+
+def _offer_as_before(f: FrequencyFilter, k: BlockHash) -> None:
+    """What ``PrepareStore`` did per key before :meth:`FrequencyFilter.offer` (the reference)."""
+    if f.frequency(k) > 0:
+        f.hit(k)
+    else:
+        f.observe(k)
+
+
+def test_offer_starts_at_one_then_doubles() -> None:
+    f = make_filter()
+    f.offer(key(1))
+    assert f.frequency(key(1)) == 1 and not f.passes(key(1))
+    f.offer(key(1))
+    assert f.frequency(key(1)) == 2 and f.passes(key(1))
+    f.decay()
+    f.decay()
+    f.offer(key(1))  # decayed to 0: a first sight again
+    assert f.frequency(key(1)) == 1
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_offer_is_observe_or_hit_as_before(seed: int) -> None:
+    """Random offers, hits and decays on a small bound: the fused ``offer`` leaves the same
+    frequencies, the same entries and the same recency order as the old composition."""
+    import random
+
+    rng = random.Random(seed)
+    new, old = make_filter(max_entries=8), make_filter(max_entries=8)
+    for _ in range(400):
+        op, k = rng.random(), key(rng.randrange(16))
+        if op < 0.6:
+            new.offer(k)
+            _offer_as_before(old, k)
+        elif op < 0.85:
+            new.hit(k)
+            old.hit(k)
+        else:
+            budget = rng.randrange(4)
+            new.decay(prune_budget=budget)
+            old.decay(prune_budget=budget)
+        assert [new.frequency(key(i)) for i in range(16)] == [old.frequency(key(i)) for i in range(16)]
+        assert list(new._table) == list(old._table)  # same entries, same recency order (the bound's victims)
