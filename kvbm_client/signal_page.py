@@ -219,8 +219,8 @@ class SignalledRegion:
 #: module load synchronizes the context), and the stream never passes the wait before its word,
 #: which the daemon (another process) writes (H200, 2026-11-26 eighth session,
 #: ``benchmarks/wait_kernel_probe.py``, ``tests/gpu/test_daemon_gpu.py``). ``enable_gpu`` still
-#: refuses lazy loading unless asked (``gpu_layer_waits`` true or tail): see the README for why the
-#: default keeps the CPU waits there. The kernel reads with ``ld.global.cv`` (fetch again, never a cached
+#: refuses lazy loading unless asked (``gpu_layer_waits`` true, or tail, the default since the tenth
+#: session, which puts only the last layers' waits there: see the README). The kernel reads with ``ld.global.cv`` (fetch again, never a cached
 #: line) and records what it read (``_seen``: a diagnostic).
 WAIT_KERNEL = r"""
 extern "C" __global__ void kvbm_wait_word(const unsigned int* word, unsigned long long target64,
