@@ -18,6 +18,7 @@ import numpy as np
 from kvbm_client import KvbmClient, KvbmConfig, ShmKvBuffer
 from kvbm_client.connectors.core import (ConnectorSettings, EarlyLoads, LeaderLink, RequestExtras, SchedulerCore,
                                          StepPlan, WorkerCore)
+from kvbm_client.connectors.core.store_planner import StorePlanner
 from kvbm_client.hashing import BlockIdentity
 from kvbm_client.ids import WorkerId
 
@@ -46,15 +47,21 @@ def keys_of(token_ids: Sequence[int]) -> list[bytes]:
 
 class CoreEngine:
     """The cores of one engine (one worker) on ``buffer``; ``early``: the scheduler side starts
-    loads early (as the vLLM adapter does without asynchronous scheduling)."""
+    loads early (as the vLLM adapter does without asynchronous scheduling); ``planned_stores``:
+    a step's stores are planned off the scheduler's thread and ship with the next step, sent
+    before its forward (the vLLM adapter's default, ``async_store_plans``)."""
 
-    def __init__(self, node: StressNode, buffer: ShmKvBuffer, early: bool = False, **extra: object) -> None:
+    def __init__(self, node: StressNode, buffer: ShmKvBuffer, early: bool = False, planned_stores: bool = False,
+                 **extra: object) -> None:
         self.node, self.buffer = node, buffer
         self.settings = ConnectorSettings.from_extra(
             {"socket_dir": node.env["DYN_KVBM_SOCKET_DIR"], "retry_s": 0.5, "early_loads": early, **extra},
             NAMESPACE)
+        planner = StorePlanner(LeaderLink(self.settings, "windows-stores")) if planned_stores else None
+        self.planned_stores = planned_stores
         self.sched = SchedulerCore(BS, self.settings, LeaderLink(self.settings, "windows"),
-                                   lambda request: RequestExtras(), EarlyLoads(self.settings, ["0"]) if early else None)
+                                   lambda request: RequestExtras(), EarlyLoads(self.settings, ["0"]) if early else None,
+                                   store_planner=planner)
         self.worker = WorkerCore(WorkerId("0"), self.settings)
         self.worker.set_region(buffer.spec())
 
@@ -73,18 +80,24 @@ class CoreEngine:
 
     def step(self, computed: dict[str, int], preempted: Iterable[str] = ()) -> StepPlan:
         """One engine step: the plan, then the worker side's hooks in the engine's order
-        (fence, loads, stores once the forward ran); returns the plan."""
+        (earlier steps' stores and the fence when the plan is bound, loads, this step's stores
+        once the forward ran); returns the plan."""
         plan = self.sched.step(computed, list(preempted))
+        if plan.stores_before_forward:
+            self.worker.start_stores(plan.stores)
         if plan.fence:
             self.worker.fence()
         self.worker.start_loads(plan.loads)
-        self.worker.start_stores(plan.stores)
+        if not plan.stores_before_forward:
+            self.worker.start_stores(plan.stores)
         return plan
 
     def store(self, req: Req, blocks: Sequence[int]) -> None:
         """Compute ``req`` in ``blocks`` and store its full blocks (waited for)."""
         self.schedule(req, blocks)
         self.step({req.request_id: len(req.all_token_ids)})
+        if self.planned_stores:
+            self.step({})  # the next step ships them
         self.worker.fence()
 
     def release(self, req_id: str, timeout: float = 120.0) -> float:

@@ -89,7 +89,8 @@ def test_a_store_is_waited_for_until_its_deadline(stress_node, engine_buffer):
         eng.close()
 
 
-def test_a_stored_copy_read_after_its_deadline_is_never_served(stress_node, engine_buffer):
+@pytest.mark.parametrize("planned", [False, True], ids=["stores_in_step", "planned_stores"])
+def test_a_stored_copy_read_after_its_deadline_is_never_served(stress_node, engine_buffer, planned):
     """A's store stalls inside its first chunk for 17 s, past its 10 s deadline (the copy
     checked the time before the chunk, as a process stopped mid-copy would have). The fence
     gives the blocks back at deadline + margin (15 s); the copy then reads another request's KV
@@ -97,7 +98,7 @@ def test_a_stored_copy_read_after_its_deadline_is_never_served(stress_node, engi
     its deadline, so those bytes are never served."""
     node = stress_node(NodeConfig(g2_blocks=64, g3_blocks=0, job_timeout_s=10,
                                   faults=(("STALL_COPY", "store:1:17"),)))
-    eng = CoreEngine(node, engine_buffer)
+    eng = CoreEngine(node, engine_buffer, planned_stores=planned)
     try:
         a = Req("A", tokens(4, 4 * BS + 1))
         eng.schedule(a, range(5))
@@ -173,13 +174,14 @@ def test_a_worker_that_never_answers_a_load_is_stopped_before_the_blocks_go_back
 
 
 # ---------------------------------------------------------------------------- window 4 (its CPU part)
-def test_an_early_load_never_lands_in_blocks_a_store_still_reads(stress_node, engine_buffer):
+@pytest.mark.parametrize("planned", [False, True], ids=["stores_in_step", "planned_stores"])
+def test_an_early_load_never_lands_in_blocks_a_store_still_reads(stress_node, engine_buffer, planned):
     """The engine preempts A while A's store (stalled 6 s on the store lane) still reads A's
     blocks, and gives them to R, whose prefix comes from kvbm. R's load must wait for the
     worker side's fence: started early (when the engine allocated R's blocks) it wrote them
     at once, and A's store then kept R's bytes under A's keys."""
     node = stress_node(NodeConfig(g2_blocks=64, g3_blocks=0, faults=(("STALL", "store:2:6"),)))
-    eng = CoreEngine(node, engine_buffer, early=True)
+    eng = CoreEngine(node, engine_buffer, early=True, planned_stores=planned)
     try:
         x = Req("X", tokens(13, 4 * BS + 1))
         eng.store(x, range(10, 15))  # store 1: R's prefix in kvbm
@@ -291,12 +293,13 @@ def test_a_copy_stalled_past_its_expiry_never_overwrites_a_later_block(stress_no
 
 
 # ---------------------------------------------------------------------------- window 7
-def test_blocks_computed_over_a_failed_load_are_never_stored(stress_node, engine_buffer):
+@pytest.mark.parametrize("planned", [False, True], ids=["stores_in_step", "planned_stores"])
+def test_blocks_computed_over_a_failed_load_are_never_stored(stress_node, engine_buffer, planned):
     """A step's forward runs after its synchronous load failed, so every block it computes
     after the unloaded ones holds KV computed from garbage; the engine recomputes them, but
     the step's stores must not keep them (found by the sigstop and disk-eio passes)."""
     node = stress_node(NodeConfig(g2_blocks=64, g3_blocks=0, faults=(("FAIL", "load:1"),)))
-    eng = CoreEngine(node, engine_buffer)
+    eng = CoreEngine(node, engine_buffer, planned_stores=planned)
     try:
         a = Req("A", tokens(10, 4 * BS + 1))
         eng.store(a, range(5))
@@ -304,6 +307,7 @@ def test_blocks_computed_over_a_failed_load_are_never_stored(stress_node, engine
         assert eng.schedule(a2, range(10, 18)) == 4 * BS
         eng.step({"A2": len(a2.all_token_ids)})  # the load fails; the forward computes blocks 4..6
         assert eng.worker.take_load_errors(), "the load did not fail"
+        eng.step({})  # (planned stores ship with this step, and are dropped there)
         eng.worker.fence()
         assert eng.matched(a2.all_token_ids) == 4, "blocks computed over a failed load were stored"
     finally:

@@ -82,9 +82,15 @@ The connector guarantees, in return:
   its blocks until then, vLLM's rule). And it lands exactly in the blocks the engine counts as
   loaded: ``[local, local + n)`` of the lookup the engine acted on (a plan held for another
   local prefix, or past its deadline, is released and planned again).
+* (C2') A store planned off the scheduler's thread (:mod:`.store_planner`) ships with the next
+  step and is sent before that step's forward, ordered after the forward that wrote its blocks.
+  Its requests count as having stores from the moment it is asked for: one that finishes keeps
+  its blocks until the worker side reports the store done (C2), one that is preempted fences the
+  step that ships the store (the fence, after the send, waits for it). Full blocks are not
+  rewritten while a request holds them, so the bytes it reads are still those of its keys.
 * (C4) Blocks computed over a failed synchronous load (the step's forward read pages that were
   never loaded) are not stored: the worker side drops the stores of that step and of the steps
-  overlapping it (2 with vLLM's asynchronous scheduling).
+  overlapping it (2 with vLLM's asynchronous scheduling), a step late as well (C2').
 
 What the engine waits for, and how long: a synchronous load, until its ``D`` + margin (plus
 up to :data:`~.worker.KILL_WAIT_S` to see a killed daemon gone); a fence and a delayed free,

@@ -19,6 +19,9 @@ adapter translates its hooks into these calls, in this order per request:
    (``build_connector_meta``): every block that this step completes (by the tokens computed
    once its forward ran) is offloaded, one ``PrepareStore`` for all requests of the step;
    returns the :class:`StepPlan` to send to the workers (loads, stores, delayed frees, fence).
+   With a :class:`~.store_planner.StorePlanner` the ``PrepareStore`` runs on its thread while
+   the step runs, and its stores ship with the next step (``stores_before_forward``); a
+   request counts as having stores from the moment they are asked for.
    The step's loads are started early on the worker daemons here, unless this step or one
    still in flight (``overlapping_steps``) fences: a block the engine took back from a
    preempted request may be the destination of a load while a store still reads it, and only
@@ -49,6 +52,7 @@ from .leader_link import LeaderPort
 from .prefill import PrefillMeter
 from .settings import ConnectorSettings
 from .specs import LoadSpec, RequestId, StepPlan, StoreSpec
+from .store_planner import StorePlanner
 from .tracing import trace, tracing
 
 log = logging.getLogger("kvbm.connector")
@@ -82,6 +86,8 @@ class RequestState:
     load: TransferHandle | None = None
     load_first_block: int = 0
     load_sent: bool = False
+    #: a store of its blocks was planned (or asked for): its frees wait for the worker side,
+    #: its preemption fences
     has_stores: bool = False
     miss_at: tuple[int, int] | None = None  # (computed, tokens) of the last lookup that missed
 
@@ -106,12 +112,16 @@ class SchedulerCore:
     """
 
     def __init__(self, block_size: int, settings: ConnectorSettings, leader: LeaderPort, extras_of: ExtrasOf,
-                 early: EarlyLoads | None = None, overlapping_steps: int = 1) -> None:
+                 early: EarlyLoads | None = None, overlapping_steps: int = 1,
+                 store_planner: StorePlanner | None = None) -> None:
         self.block_size = block_size
         self.settings = settings
         self._leader = leader
         self._extras_of = extras_of
         self._early = early
+        #: plans each step's stores off this thread; they ship with the next step (None: each
+        #: step's ``PrepareStore`` is answered here and its stores ship with it)
+        self._planner = store_planner
         #: whether each of the last ``overlapping_steps`` steps (this one last) fenced
         self._fences: deque[bool] = deque(maxlen=max(1, overlapping_steps))
         self._reqs: dict[RequestId, RequestState] = {}
@@ -269,9 +279,24 @@ class SchedulerCore:
             state.num_stored = max(state.num_stored, full)
         if tracing() and (plan.loads or keys):
             trace("step", loads=[(x.req_id, len(x.engine_blocks), x.sync) for x in plan.loads], store_keys=len(keys))
-        if keys:
+        if self._planner is not None:
+            self._ship_planned(plan)
+            if keys:
+                for req_id in set(owners):
+                    self._reqs[req_id].has_stores = True  # before the answer: see store_planner
+                self._planner.submit(keys, blocks, owners)
+        elif keys:
             plan.stores.extend(self._store(keys, blocks, owners))
         return plan
+
+    def _ship_planned(self, plan: StepPlan) -> None:
+        """Add the previous step's stores, planned off this thread, to ``plan`` (they read
+        blocks its forward wrote: the worker side sends them before this step's forward)."""
+        assert self._planner is not None
+        plan.stores_before_forward = True
+        spec, _ = self._planner.collect()
+        if spec is not None:
+            plan.stores.append(spec)
 
     def _start_early(self, loads: list[LoadSpec]) -> None:
         assert self._early is not None
@@ -318,6 +343,8 @@ class SchedulerCore:
         return False
 
     def shutdown(self) -> None:
+        if self._planner is not None:
+            self._planner.close()
         self._leader.close()
         if self._early is not None:
             self._early.close()

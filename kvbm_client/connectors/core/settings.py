@@ -108,6 +108,12 @@ class ConnectorSettings:
     #: Default ``tail`` since 2026-11-26 (tenth session): 20K eager 6.4-6.6 % faster than ``eager``
     #: on two H100s (both reproduced), greedy with graphs and the stress run identical
     gpu_layer_waits: GpuWaits = GpuWaits.TAIL
+    #: plan each step's stores off the scheduler's thread (the leader's ``PrepareStore`` runs
+    #: while the step does; the stores ship with the next step, :mod:`.store_planner`); false:
+    #: on the scheduler's thread, before the step runs (the behaviour before 2026-11-26).
+    #: Used by the vLLM connector (its worker role sends such stores before the next forward);
+    #: the TensorRT-LLM connector plans on the scheduler's thread whatever this says
+    async_store_plans: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "load_mode", _load_mode(self.load_mode))
@@ -137,7 +143,8 @@ class ConnectorSettings:
                    cost_aware_loads=_flag("cost_aware_loads", extra.get("cost_aware_loads", cfg.cost_aware_loads)),
                    prefill_tokens_per_s=float(extra.get("prefill_tokens_per_s", cfg.prefill_tokens_per_s)),
                    layer_groups=_int("layer_groups", extra.get("layer_groups", DEFAULT_LAYER_GROUPS)),
-                   gpu_layer_waits=parse_gpu_waits(extra.get("gpu_layer_waits", GpuWaits.TAIL)))
+                   gpu_layer_waits=parse_gpu_waits(extra.get("gpu_layer_waits", GpuWaits.TAIL)),
+                   async_store_plans=_flag("async_store_plans", extra.get("async_store_plans", True)))
 
     @property
     def sync_loads(self) -> bool:

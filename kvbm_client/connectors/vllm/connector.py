@@ -154,7 +154,7 @@ class KvbmConnector(KVConnectorBase_V1, SupportsHMA):
 
     def bind_connector_metadata(self, connector_metadata) -> None:
         if self._worker is not None:
-            self._worker_role.fence_if_needed(connector_metadata)
+            self._worker_role.bind(connector_metadata)
         super().bind_connector_metadata(connector_metadata)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:

@@ -22,6 +22,7 @@ from ..core.early_loads import EarlyLoads, early_loads_decision
 from ..core.leader_link import LeaderLink, LeaderPort
 from ..core.scheduler import EngineRequest, SchedulerCore
 from ..core.settings import ConnectorSettings
+from ..core.store_planner import StorePlanner
 from .metadata import KvbmConnectorMetadata
 
 log = logging.getLogger("kvbm.connector")
@@ -66,6 +67,8 @@ class KvbmConnectorScheduler:
     Args:
         leader: the leader link (default: a :class:`LeaderLink` to ``settings.leader_address``;
             tests pass a fake).
+        store_leader: with ``settings.async_store_plans``, the store planner's own link (default:
+            a second :class:`LeaderLink`, or ``leader`` when a fake is passed).
         overlapping_steps: steps vLLM runs at once (2 with asynchronous scheduling).
         defers_block_frees: vLLM keeps a freed or preempted request's blocks out of its pool
             until the steps in flight that may write them have run (:func:`.compat.defers_block_frees`).
@@ -75,13 +78,18 @@ class KvbmConnectorScheduler:
     """
 
     def __init__(self, block_size: int, settings: ConnectorSettings, worker_ids: Sequence[str] | None = None,
-                 leader: LeaderPort | None = None, overlapping_steps: int = 1, defers_block_frees: bool = False) -> None:
+                 leader: LeaderPort | None = None, overlapping_steps: int = 1, defers_block_frees: bool = False,
+                 store_leader: LeaderPort | None = None) -> None:
         self.early_loads, why = early_loads_decision(settings.early_loads, bool(worker_ids), overlapping_steps,
                                                      defers_block_frees)
         log.info("kvbm: early loads %s (%s)", "on" if self.early_loads else "off", why)
         early = EarlyLoads(settings, worker_ids) if self.early_loads and worker_ids else None
+        planner = None
+        if settings.async_store_plans:
+            planner = StorePlanner(store_leader or leader or LeaderLink(settings, "vllm-stores"),
+                                   wait_s=4 * settings.timeout_s + 1.0)
         self.core = SchedulerCore(block_size, settings, leader or LeaderLink(settings, "vllm-scheduler"),
-                                  request_extras, early, overlapping_steps=overlapping_steps)
+                                  request_extras, early, overlapping_steps=overlapping_steps, store_planner=planner)
 
     def get_num_new_matched_tokens(self, request: EngineRequest, num_computed_tokens: int) -> tuple[int, bool]:
         return self.core.lookup(request, num_computed_tokens)

@@ -5,7 +5,10 @@ with the worker daemon, loads and stores in flight, fences, delayed frees, load 
 :class:`~kvbm_client.connectors.core.WorkerCore`; this adapter describes vLLM's KV tensors as
 a region and reads vLLM's step metadata.
 
-Stores start in ``wait_for_save`` (the step's KV is written) and are awaited only when a
+A step's stores are planned by the scheduler role while the step runs and ship with the next
+step (``async_store_plans``, the default): they start in ``bind_connector_metadata``, before
+that step's forward is enqueued, ordered after the forward that wrote their blocks (without
+``async_store_plans``, in ``wait_for_save`` of their own step). They are awaited only when a
 preempted request's blocks may be rewritten (``handle_preemptions`` /
 ``bind_connector_metadata`` with ``fence``); finished requests whose stores were in flight
 are reported in ``finished_sending`` so vLLM frees their blocks only then. Loads start in
@@ -107,6 +110,7 @@ class KvbmConnectorWorker:
         self._waited_end = 0  # pages the forward waited for in this step
         self._waited_s = 0.0
         self._forward_from: tuple[float, float] | None = None  # (traced) a step with loads: its forward began
+        self._bound: Any = None  # the last plan whose earlier steps' stores were sent (see bind)
 
     def set_region(self, spec: RegionSpecLike | None, cuda: bool = False,
                    names_by_tensor: Sequence[Sequence[str]] = ()) -> None:
@@ -182,21 +186,37 @@ class KvbmConnectorWorker:
         import torch
         torch.cuda.current_stream().synchronize()
 
+    def bind(self, meta: Any) -> None:
+        """vLLM's ``bind_connector_metadata`` (before the step's forward is enqueued): send the
+        stores of earlier steps' blocks the plan carries (:attr:`StepPlan.stores_before_forward`;
+        ordered after the forward that wrote them), then fence if the plan says so (which waits
+        for those too: a preempted request's blocks may be rewritten by this step's forward)."""
+        if not isinstance(meta, StepPlan):
+            return
+        if meta.stores_before_forward and meta.stores and meta is not self._bound:
+            self.settle_layers()  # (an earlier step's failed layer-pipelined load drops these stores)
+            self._bound = meta  # (once per plan: a second bind would send the same plans again)
+            self.core.start_stores(meta.stores, self._kv_written() if self.cuda else None)
+        self.fence_if_needed(meta)
+
     def start_stores(self, meta: KvbmConnectorMetadata) -> None:
+        """vLLM's ``wait_for_save``: settle the step's layer-pipelined loads, then send the
+        step's own stores (those of earlier steps' blocks went at :meth:`bind`)."""
         self.settle_layers()
         if self._forward_from is not None:  # the engine's thread from its loads' start to here, wall and CPU
             wall, cpu = self._forward_from
             self._forward_from = None
             trace("forward", ms=round((time.perf_counter() - wall) * 1e3, 2),
                   cpu_ms=round((time.thread_time() - cpu) * 1e3, 2))
-        if meta.stores:
+        if meta.stores and not meta.stores_before_forward:
             self.core.start_stores(meta.stores, self._kv_written() if self.cuda else None)
 
     @staticmethod
     def _kv_written() -> Callable[[], None]:
-        """A wait for this step's KV. NOTE: vLLM 0.26 schedules asynchronously on a GPU, so
-        ``wait_for_save`` runs when the forward is only enqueued; the daemon may read the
-        blocks once the compute stream passed this event."""
+        """A wait for the KV enqueued so far (this step's in ``wait_for_save``, the earlier
+        steps' in :meth:`bind`). NOTE: vLLM 0.26 schedules asynchronously on a GPU, so these
+        hooks run when the forward is only enqueued; the daemon may read the blocks once the
+        compute stream passed this event."""
         import torch
         event = torch.cuda.Event()
         event.record()
