@@ -62,7 +62,9 @@
 #             in one run, 2 passes (graphs: vLLM alone too, the cold target's reference)
 #   cold20 / cold20g  the cold target (no hit within 2 % of vLLM alone): vLLM alone (baseline), kvbm with
 #             each step's PrepareStore on the scheduler's thread (ours_layerwise_syncstore, the behaviour until
-#             the eleventh session) and kvbm's default (store plans asked for off that thread); 2 passes
+#             the eleventh session), kvbm's default (big steps' store plans asked for off that thread) and
+#             kvbm on vLLM's per-layer KV tensors (ours_layerwise_perlayer: does the cross-layer buffer cost
+#             the forward?); 2 passes
 #   spy20g    20K graphs, LMCache then kvbm, each engine process sampled by py-spy (spy20g_<pid>.txt:
 #             why kvbm's forward costs the engine's thread more CPU than LMCache's under graphs)
 #   interference  wait_copy_interference.py: a load's host -> GPU copy alone and beside another process's
@@ -124,7 +126,8 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
                 $S$Y $X $H $O --passes 2 >"$R/$s.log" 2>&1 ;;
     cold20|cold20g) O="--timeout 300"; [ $s = cold20g ] && O="--timeout 600 --cuda-graphs"
               KVBM_CONNECTOR_TRACE=$R/t20k_$s.jsonl $T "$R/ttft20k_$s.jsonl" \
-                baseline,ours_layerwise_syncstore,ours_layerwise $A20 $H $O --passes 2 >"$R/$s.log" 2>&1 ;;
+                baseline,ours_layerwise_syncstore,ours_layerwise,ours_layerwise_perlayer $A20 $H $O --passes 2 \
+                >"$R/$s.log" 2>&1 ;;
     stresslazy|stresstail) V=true; N=stress_lazy_gpuwait; [ $s = stresstail ] && V='"tail"' && N=stress_tail
               python3 -m tests.stress.run --users 12 --turns 3 --gpu 0 --async-scheduling on --block-size 16 \
               --dtype float32 --load-mode layerwise --kvbm-extra "{\"gpu_layer_waits\": $V}" --passes none \

@@ -182,7 +182,7 @@ def main() -> None:
     ap.add_argument("trace")
     ap.add_argument("--systems", default="ours,ours_sync,ours_async,ours_layerwise,ours_layerwise_noearly,"
                     "ours_layerwise_cpuwait,ours_layerwise_gpuwait,ours_layerwise_tail,ours_layerwise_eager,ours_layerwise_g4,"
-                    "ours_layerwise_g3,ours_layerwise_syncstore,"
+                    "ours_layerwise_g3,ours_layerwise_syncstore,ours_layerwise_perlayer,"
                     "lmcache_timed",
                     help="the traced systems to break down")
     ap.add_argument("--pass", dest="pass_index", type=int, default=None,

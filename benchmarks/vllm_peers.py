@@ -69,7 +69,8 @@ LAYER_HOOKS = ("dynamo",)
 #: since then: the same as ours_layerwise, kept so that older runbook steps still run);
 #: ours_layerwise_g4 / _g3: layer-pipelined loads in 4 / 3 layer groups instead of 6 (A/B);
 #: ours_layerwise_syncstore: each step's PrepareStore on vLLM's scheduler thread, its stores
-#: shipped with that step (async_store_plans false: the behaviour until 2026-11-26's eleventh session) (A/B)
+#: shipped with that step (async_store_plans false: the behaviour until 2026-11-26's eleventh session) (A/B);
+#: ours_layerwise_perlayer: vLLM's per-layer KV tensors instead of one cross-layer buffer (A/B)
 OURS = {"ours": {}, "ours_sync": {"load_mode": "sync"}, "ours_async": {"load_mode": "async"},
         "ours_layerwise": {"load_mode": "layerwise"},
         "ours_layerwise_noearly": {"load_mode": "layerwise", "early_loads": False},
@@ -79,7 +80,8 @@ OURS = {"ours": {}, "ours_sync": {"load_mode": "sync"}, "ours_async": {"load_mod
         "ours_layerwise_eager": {"load_mode": "layerwise", "gpu_layer_waits": "eager"},
         "ours_layerwise_g4": {"load_mode": "layerwise", "layer_groups": 4},
         "ours_layerwise_g3": {"load_mode": "layerwise", "layer_groups": 3},
-        "ours_layerwise_syncstore": {"load_mode": "layerwise", "async_store_plans": False}}
+        "ours_layerwise_syncstore": {"load_mode": "layerwise", "async_store_plans": False},
+        "ours_layerwise_perlayer": {"load_mode": "layerwise", "cross_layer_blocks": False}}
 SYSTEMS = ("recompute", "baseline", "native", "lmcache", "lmcache_timed", "dynamo", *OURS)
 
 

@@ -70,9 +70,10 @@ class Request:
     extras: RequestExtras | None = field(default_factory=RequestExtras)
 
 
-def make(leader: GatedLeader, wait_s: float = 5.0) -> SchedulerCore:
+def make(leader: GatedLeader, wait_s: float = 5.0, min_keys: int = 1) -> SchedulerCore:
     settings = ConnectorSettings("unix:/l", "unix:/w-{id}", "model|float16|4", 1.0, 1.0)
-    return SchedulerCore(BS, settings, leader, lambda r: r.extras, store_planner=StorePlanner(leader, wait_s))
+    return SchedulerCore(BS, settings, leader, lambda r: r.extras,
+                         store_planner=StorePlanner(leader, wait_s, min_keys=min_keys))
 
 
 def start(core: SchedulerCore, req: Request, blocks: list[int]) -> None:
@@ -89,14 +90,31 @@ def test_a_steps_stores_are_asked_off_the_thread_and_ship_with_the_next_step():
     t0 = time.perf_counter()
     first = core.step({"a": 13})
     assert time.perf_counter() - t0 < 1.0, "the step did not wait for the leader"
-    assert first.stores == [] and first.stores_before_forward
+    assert first.stores == [] and first.earlier_stores == []
     leader.gate.set()
     second = core.step({"a": 13})  # decoding: no new full block
-    (spec,) = second.stores
-    assert second.stores_before_forward, "the worker side sends them before this step's forward"
+    (spec,) = second.earlier_stores  # the worker side sends them before this step's forward
+    assert second.stores == []
     assert spec.engine_blocks == [7, 8, 9] and spec.req_ids == ["a", "a", "a"] and spec.plan == b"store-1"
     assert leader.threads == ["kvbm-store-plan_0"], "PrepareStore never runs on the scheduler's thread"
-    assert core.step({"a": 13}).stores == [], "shipped once"
+    assert core.step({"a": 13}).earlier_stores == [], "shipped once"
+    core.shutdown()
+
+
+def test_only_steps_with_many_new_blocks_are_planned_off_the_thread():
+    """A step with fewer than ``min_keys`` new blocks is planned on the scheduler's thread and
+    stored after its own forward; a bigger one ships with the next step, beside that step's own."""
+    leader = GatedLeader()
+    core = make(leader, min_keys=3)
+    a, b = Request("a", list(range(13))), Request("b", list(range(100, 109)))
+    start(core, a, [1, 2, 3, 4])
+    plan = core.step({"a": 13})  # 3 new blocks: asked for off the thread
+    assert plan.stores == [] and plan.earlier_stores == []
+    start(core, b, [5, 6, 7])
+    plan = core.step({"b": 9})  # 2 new blocks: planned here, stored after this forward
+    assert [s.engine_blocks for s in plan.earlier_stores] == [[1, 2, 3]]
+    assert [s.engine_blocks for s in plan.stores] == [[5, 6]]
+    assert leader.threads == ["kvbm-store-plan_0", "MainThread"]
     core.shutdown()
 
 
@@ -106,11 +124,11 @@ def test_a_request_that_ends_before_its_stores_ship_keeps_its_blocks_until_they_
     core = make(leader)
     a = Request("a", list(range(9)))
     start(core, a, [1, 2, 3])
-    assert core.step({"a": 9}).stores == []
+    assert core.step({"a": 9}).earlier_stores == []
     assert core.finished("a"), "a store of its blocks is planned: vLLM must not free them yet"
     leader.gate.set()
     plan = core.step({})
-    assert [s.req_ids for s in plan.stores] == [["a", "a"]] and plan.delayed_frees == ["a"]
+    assert [s.req_ids for s in plan.earlier_stores] == [["a", "a"]] and plan.delayed_frees == ["a"]
     core.shutdown()
 
 
@@ -122,7 +140,7 @@ def test_a_preempted_request_with_planned_stores_fences_the_step_that_ships_them
     start(core, b, [4, 5, 6])
     core.step({"a": 9, "b": 9})
     plan = core.step({"b": 9}, preempted=["a"])
-    assert plan.fence and plan.stores and plan.stores_before_forward
+    assert plan.fence and plan.earlier_stores
     core.shutdown()
 
 
@@ -134,12 +152,12 @@ def test_a_leader_that_is_down_or_a_failing_link_skips_the_stores_and_serving_go
         r = Request(f"r{i}", list(range(10 * i, 10 * i + 9)))
         start(core, r, [1, 2, 3])
         core.step({r.request_id: 9})
-        assert core.step({}).stores == []
+        assert core.step({}).earlier_stores == []
     leader.down = leader.broken = False
     r = Request("ok", list(range(500, 509)))
     start(core, r, [1, 2, 3])
     core.step({"ok": 9})
-    assert [s.engine_blocks for s in core.step({}).stores] == [[1, 2]]
+    assert [s.engine_blocks for s in core.step({}).earlier_stores] == [[1, 2]]
     core.shutdown()
 
 
@@ -151,7 +169,7 @@ def test_an_answer_later_than_the_wait_is_skipped_and_a_plan_never_shipped_is_re
     start(core, a, [1, 2, 3])
     core.step({"a": 9})
     t0 = time.perf_counter()
-    assert core.step({}).stores == [], "not answered within the wait: skipped"
+    assert core.step({}).earlier_stores == [], "not answered within the wait: skipped"
     assert time.perf_counter() - t0 < 2.0
     leader.gate.set()
     b = Request("b", list(range(100, 109)))
@@ -201,7 +219,7 @@ def worker_role(link: SlowLink) -> KvbmConnectorWorker:
 def test_the_worker_side_sends_earlier_steps_stores_at_bind_and_a_fence_waits_for_them():
     link = SlowLink(0.2)
     role = worker_role(link)
-    plan = StepPlan(stores=[StoreSpec(b"s1", b"sig", [3], ["a"])], stores_before_forward=True, fence=True)
+    plan = StepPlan(earlier_stores=[StoreSpec(b"s1", b"sig", [3], ["a"])], fence=True)
     role.bind(plan)
     assert link.sent == [b"s1"] and link.done == [b"s1"], "sent before the forward, and the fence waited for it"
     role.bind(plan)  # bound again (another hook): not sent twice
@@ -230,8 +248,8 @@ def test_stores_of_a_step_whose_load_failed_are_dropped_when_they_ship_a_step_la
     role = worker_role(link)
     role.core.start_loads([LoadSpec(RequestId("r"), b"bad", b"sig", [1, 2], sync=True)])  # step N: it fails
     assert role.take_load_errors() == {1, 2}
-    role.bind(StepPlan(stores=[StoreSpec(b"n", b"sig", [3], ["a"])], stores_before_forward=True))  # N+1
+    role.bind(StepPlan(earlier_stores=[StoreSpec(b"n", b"sig", [3], ["a"])]))  # N+1
     role.core.start_loads([])
-    role.bind(StepPlan(stores=[StoreSpec(b"n1", b"sig", [4], ["a"])], stores_before_forward=True))  # N+2
+    role.bind(StepPlan(earlier_stores=[StoreSpec(b"n1", b"sig", [4], ["a"])]))  # N+2
     assert [p for p in link.sent if p != b"bad"] == [b"n1"]
     role.shutdown()

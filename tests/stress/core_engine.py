@@ -83,13 +83,11 @@ class CoreEngine:
         (earlier steps' stores and the fence when the plan is bound, loads, this step's stores
         once the forward ran); returns the plan."""
         plan = self.sched.step(computed, list(preempted))
-        if plan.stores_before_forward:
-            self.worker.start_stores(plan.stores)
+        self.worker.start_stores(plan.earlier_stores)
         if plan.fence:
             self.worker.fence()
         self.worker.start_loads(plan.loads)
-        if not plan.stores_before_forward:
-            self.worker.start_stores(plan.stores)
+        self.worker.start_stores(plan.stores)
         return plan
 
     def store(self, req: Req, blocks: Sequence[int]) -> None:

@@ -15,8 +15,11 @@ from .workload import WorkloadSpec, generate
 pytestmark = pytest.mark.timeout(1200)
 
 SPEC = WorkloadSpec(users=16, turns=3, groups=4, seed=1)
-# fp32 tiny Llama: 24 blocks of 32 tokens; the engine core in-process (a faster start in CI)
-ENGINE = EngineConfig(g1_bytes=3 << 20, max_num_seqs=8, multiprocess=False)
+# fp32 tiny Llama: 24 blocks of 32 tokens; the engine core in-process (a faster start in CI); every
+# step's stores planned off the scheduler's thread and shipped with the next step (the default plans
+# only steps of 64 blocks or more there; this workload's steps are smaller)
+ENGINE = EngineConfig(g1_bytes=3 << 20, max_num_seqs=8, multiprocess=False,
+                      kvbm_extra={"async_store_min_blocks": 1})
 NODE = NodeConfig(g2_blocks=48, g3_blocks=512)
 
 

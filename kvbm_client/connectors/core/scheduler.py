@@ -20,8 +20,10 @@ adapter translates its hooks into these calls, in this order per request:
    once its forward ran) is offloaded, one ``PrepareStore`` for all requests of the step;
    returns the :class:`StepPlan` to send to the workers (loads, stores, delayed frees, fence).
    With a :class:`~.store_planner.StorePlanner` the ``PrepareStore`` runs on its thread while
-   the step runs, and its stores ship with the next step (``stores_before_forward``); a
-   request counts as having stores from the moment they are asked for.
+   the step runs, and its stores ship with the next step (``earlier_stores``), for a step with
+   at least ``StorePlanner.min_keys`` new blocks (a smaller one is answered here: its round
+   trip is short, and hidden behind a load's copy); a request counts as having stores from the
+   moment they are asked for.
    The step's loads are started early on the worker daemons here, unless this step or one
    still in flight (``overlapping_steps``) fences: a block the engine took back from a
    preempted request may be the destination of a load while a store still reads it, and only
@@ -279,24 +281,17 @@ class SchedulerCore:
             state.num_stored = max(state.num_stored, full)
         if tracing() and (plan.loads or keys):
             trace("step", loads=[(x.req_id, len(x.engine_blocks), x.sync) for x in plan.loads], store_keys=len(keys))
-        if self._planner is not None:
-            self._ship_planned(plan)
-            if keys:
-                for req_id in set(owners):
-                    self._reqs[req_id].has_stores = True  # before the answer: see store_planner
-                self._planner.submit(keys, blocks, owners)
+        if self._planner is not None and self._planner.pending:
+            spec, _ = self._planner.collect()  # the previous step's: sent before this step's forward
+            if spec is not None:
+                plan.earlier_stores.append(spec)
+        if self._planner is not None and len(keys) >= self._planner.min_keys:
+            for req_id in set(owners):
+                self._reqs[req_id].has_stores = True  # before the answer: see store_planner
+            self._planner.submit(keys, blocks, owners)
         elif keys:
             plan.stores.extend(self._store(keys, blocks, owners))
         return plan
-
-    def _ship_planned(self, plan: StepPlan) -> None:
-        """Add the previous step's stores, planned off this thread, to ``plan`` (they read
-        blocks its forward wrote: the worker side sends them before this step's forward)."""
-        assert self._planner is not None
-        plan.stores_before_forward = True
-        spec, _ = self._planner.collect()
-        if spec is not None:
-            plan.stores.append(spec)
 
     def _start_early(self, loads: list[LoadSpec]) -> None:
         assert self._early is not None

@@ -114,6 +114,12 @@ class ConnectorSettings:
     #: Used by the vLLM connector (its worker role sends such stores before the next forward);
     #: the TensorRT-LLM connector plans on the scheduler's thread whatever this says
     async_store_plans: bool = True
+    #: with ``async_store_plans``: the fewest new blocks a step must complete for its stores to be
+    #: planned off the scheduler's thread (see :data:`.store_planner.MIN_KEYS`, the default)
+    async_store_min_blocks: int = 64
+    #: vLLM on a GPU: ask for one cross-layer KV buffer (a block is one contiguous run, the
+    #: fastest copies); false: vLLM's per-layer tensors (each block's slice per layer one page)
+    cross_layer_blocks: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "load_mode", _load_mode(self.load_mode))
@@ -144,7 +150,9 @@ class ConnectorSettings:
                    prefill_tokens_per_s=float(extra.get("prefill_tokens_per_s", cfg.prefill_tokens_per_s)),
                    layer_groups=_int("layer_groups", extra.get("layer_groups", DEFAULT_LAYER_GROUPS)),
                    gpu_layer_waits=parse_gpu_waits(extra.get("gpu_layer_waits", GpuWaits.TAIL)),
-                   async_store_plans=_flag("async_store_plans", extra.get("async_store_plans", True)))
+                   async_store_plans=_flag("async_store_plans", extra.get("async_store_plans", True)),
+                   async_store_min_blocks=_int("async_store_min_blocks", extra.get("async_store_min_blocks", 64)),
+                   cross_layer_blocks=_flag("cross_layer_blocks", extra.get("cross_layer_blocks", True)))
 
     @property
     def sync_loads(self) -> bool:

@@ -58,8 +58,8 @@ class StepPlan:
     #: a request with stores in flight was preempted (its blocks are free again): the worker
     #: side waits for every store in flight before this step's forward can rewrite them.
     fence: bool = False
-    #: ``stores`` read blocks that an earlier step's forward wrote (the scheduler side planned
-    #: them while that step ran, :mod:`.store_planner`): the worker side sends them when it binds
-    #: this plan, before this step's forward is enqueued (and before the fence, which then
-    #: waits for them too). False: they read this step's blocks and are sent once its KV is written.
-    stores_before_forward: bool = False
+    #: stores of blocks an earlier step's forward wrote (the scheduler side planned them while
+    #: that step ran, :mod:`.store_planner`): the worker side sends them when it binds this plan,
+    #: before this step's forward is enqueued (and before the fence, which then waits for them
+    #: too); ``stores`` read this step's blocks and are sent once its KV is written
+    earlier_stores: list[StoreSpec] = field(default_factory=list)

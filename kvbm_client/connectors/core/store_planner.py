@@ -14,7 +14,7 @@ scheduler core keeps each of these; see the ordering notes in :mod:`kvbm_client.
 * the blocks were complete (full blocks, immutable while a request holds them) when the step
   that computed them was scheduled, and the worker side sends the store when the next step's
   metadata is bound, before that step's forward is enqueued, ordered after the computing
-  forward (:attr:`~.specs.StepPlan.stores_before_forward`);
+  forward (:attr:`~.specs.StepPlan.earlier_stores`);
 * a request with a store planned (answered or not) counts as having stores: finishing, its
   blocks are freed only once the worker side reports its stores done (a delayed free), and
   preempted, the step that ships or follows the store fences, so the worker side waits for it
@@ -42,6 +42,13 @@ from .tracing import trace, tracing
 
 log = logging.getLogger("kvbm.connector")
 
+#: The vLLM connector's ``min_keys`` (``async_store_min_blocks``'s default). A ``PrepareStore`` of a few blocks is short (1.2-1.4 ms for
+#: 10 on an H100 host), and in a warm request's step it is hidden behind the load's copy; asked
+#: for off the thread it overlapped the forward's enqueueing instead, and the 20K warm TTFT was
+#: 92.2 against 86.8 ms (machine r, 2026-11-26, 2 passes each, one run). A cold 20K prefill's
+#: steps store 1024 and 234 blocks (3-7 ms each on the scheduler's thread).
+MIN_KEYS = 64
+
 
 @dataclass
 class _Asked:
@@ -59,12 +66,15 @@ class StorePlanner:
 
     Args:
         leader: this planner's own leader link (called from its thread only).
+        min_keys: the fewest new blocks a step must have for its plan to be asked for here
+            (:data:`MIN_KEYS`); the scheduler core plans smaller steps on its own thread.
         wait_s: how long :meth:`collect` waits for an answer still on its way (the leader
             link's own timeout, with one retry, bounds the call itself; this is a backstop).
     """
 
-    def __init__(self, leader: LeaderPort, wait_s: float = 10.0) -> None:
+    def __init__(self, leader: LeaderPort, wait_s: float = 10.0, min_keys: int = 0) -> None:
         self._leader = leader
+        self.min_keys = max(1, min_keys)
         self._wait_s = wait_s
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvbm-store-plan")
         self._asked: _Asked | None = None

@@ -104,8 +104,9 @@ class KvbmConnector(KVConnectorBase_V1, SupportsHMA):
 
     @property
     def prefer_cross_layer_blocks(self) -> bool:
-        """vLLM 0.26 (GPU): ask for one cross-layer buffer, so a block is one contiguous run."""
-        return compat.is_cuda(self._vllm_config)
+        """vLLM 0.26 (GPU): ask for one cross-layer buffer, so a block is one contiguous run
+        (unless ``cross_layer_blocks`` is false)."""
+        return compat.is_cuda(self._vllm_config) and self._settings.cross_layer_blocks
 
     # ==== Worker-side methods ====
     def get_mem_pool_context(self):

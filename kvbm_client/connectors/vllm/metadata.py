@@ -21,4 +21,4 @@ class KvbmConnectorMetadata(StepPlan, KVConnectorMetadata):  # type: ignore[misc
     @classmethod
     def of(cls, plan: StepPlan) -> "KvbmConnectorMetadata":
         return cls(loads=plan.loads, stores=plan.stores, delayed_frees=plan.delayed_frees, fence=plan.fence,
-                   stores_before_forward=plan.stores_before_forward)
+                   earlier_stores=plan.earlier_stores)

@@ -188,15 +188,15 @@ class KvbmConnectorWorker:
 
     def bind(self, meta: Any) -> None:
         """vLLM's ``bind_connector_metadata`` (before the step's forward is enqueued): send the
-        stores of earlier steps' blocks the plan carries (:attr:`StepPlan.stores_before_forward`;
+        stores of earlier steps' blocks the plan carries (:attr:`StepPlan.earlier_stores`;
         ordered after the forward that wrote them), then fence if the plan says so (which waits
         for those too: a preempted request's blocks may be rewritten by this step's forward)."""
         if not isinstance(meta, StepPlan):
             return
-        if meta.stores_before_forward and meta.stores and meta is not self._bound:
+        if meta.earlier_stores and meta is not self._bound:
             self.settle_layers()  # (an earlier step's failed layer-pipelined load drops these stores)
             self._bound = meta  # (once per plan: a second bind would send the same plans again)
-            self.core.start_stores(meta.stores, self._kv_written() if self.cuda else None)
+            self.core.start_stores(meta.earlier_stores, self._kv_written() if self.cuda else None)
         self.fence_if_needed(meta)
 
     def start_stores(self, meta: KvbmConnectorMetadata) -> None:
@@ -208,7 +208,7 @@ class KvbmConnectorWorker:
             self._forward_from = None
             trace("forward", ms=round((time.perf_counter() - wall) * 1e3, 2),
                   cpu_ms=round((time.thread_time() - cpu) * 1e3, 2))
-        if meta.stores and not meta.stores_before_forward:
+        if meta.stores:
             self.core.start_stores(meta.stores, self._kv_written() if self.cuda else None)
 
     @staticmethod
