@@ -1,8 +1,12 @@
 """How long one full garbage collection holds the leader's event loop, against how many blocks
-its registry holds: the leader's data (one ``BlockEntry``, its ``copies`` dict and a ``TierCopy``
-per block, the disk offload filter's table) are objects Python's cyclic collector traverses at
-every generation-2 collection, which runs on the loop's thread when enough objects were created
-since the last (CPython's "long-lived pending > 25 %" rule), whatever request is in flight.
+its registry holds: Python's cyclic collector traverses every object it tracks at every
+generation-2 collection, which runs on the loop's thread when enough objects were created since
+the last (CPython's "long-lived pending > 25 %" rule), whatever request is in flight. Until
+b87f67f each block was three such objects (a ``BlockEntry``, its ``copies`` dict, a ``TierCopy``;
+``results/gc_pause_cpu_2026-11-26.json``); since, none (the registry's dicts hold only bytes,
+ints and None): what is left grows with the entries of each tier's LRU and of the disk offload
+filter's table, two ``OrderedDict`` objects the collector walks entry by entry
+(``results/gc_pause_cpu_2026-11-26b.json``).
 
     python3 benchmarks/gc_pause.py [--blocks 65536,262144,1048576] [--reps 5] [--json out.json]
 

@@ -161,9 +161,9 @@ class KvEventFeed:
         self.flush(registry)
         by_tier: dict[Tier, list[tuple[BlockHash, BlockHash | None]]] = {}
         for key, tier in ready:
-            entry = registry.blocks.get(key)
-            if entry is not None and entry.ready_in(tier):
-                by_tier.setdefault(tier, []).append((key, entry.parent))
+            pool = registry.pools.get(tier)
+            if pool is not None and key in pool.ready:
+                by_tier.setdefault(tier, []).append((key, registry.parents.get(key)))
         for tier, blocks in by_tier.items():
             self.events.stored(blocks, tier)
 

@@ -123,7 +123,7 @@ class WorkerFleet:
             self._replan()
             return
         log.info("worker %s re-registered the same layout; keeping %d blocks", record.worker_id,
-                 len(self.placement.registry.blocks))
+                 len(self.placement.registry.parents))
         if self.membership.pools is not None:
             self.streams.send_pools(self.membership.pools, record.worker_id)
 

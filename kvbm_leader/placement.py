@@ -34,7 +34,7 @@ from kvbm_client.ids import BlockHash, JobId, PlanKind, SlotId, Tier
 
 from .decisions import HostDiskMove, JobPlacement, Outcome
 from .policies.frequency import FrequencyFilter
-from .registry import BlockEntry, BlockRegistry, DiskJournal
+from .registry import BlockRegistry, DiskJournal
 from .steps import CompletionStepper, LoadStepper, MatchStepper, StoreStepper
 
 __all__ = ["HostDiskMove", "JobPlacement", "Outcome", "PlacementPolicy", "store_demotion_limit"]
@@ -82,10 +82,11 @@ class PlacementPolicy:
     def slots_needed(self, keys: Sequence[BlockHash]) -> int:
         """How many slots of the store tier a store of ``keys`` would take (distinct keys
         without a copy there yet)."""
-        tier, blocks = self.store_tier, self.registry.blocks
+        tier = self.store_tier
         if tier is None:
             return 0
-        return sum(1 for k in set(keys) if (e := blocks.get(k)) is None or tier not in e.copies)
+        pool = self.registry.pools[tier]
+        return sum(1 for k in set(keys) if k not in pool.ready and k not in pool.unready)
 
     def usage(self) -> dict[Tier, tuple[int, int, int]]:
         """Per tier: (capacity, used, pinned) blocks; O(1) (the metrics thread reads it)."""
@@ -95,9 +96,10 @@ class PlacementPolicy:
         return MatchStepper(self, keys, count_hit).run()
 
     # ------------------------------------------------------------------ eviction
-    def _needs_demotion(self, entry: BlockEntry) -> bool:
-        return (Tier.DISK in self.registry.pools and Tier.DISK not in entry.copies
-                and self.frequency.passes(entry.key))
+    def _needs_demotion(self, key: BlockHash) -> bool:
+        disk = self.registry.pools.get(Tier.DISK)
+        return (disk is not None and key not in disk.ready and key not in disk.unready
+                and self.frequency.passes(key))
 
     def _may_demote(self, plan: JobPlacement) -> bool:
         """Whether ``plan`` may carry one more demotion (a store's are bounded; counts a refusal)."""
@@ -118,19 +120,18 @@ class PlacementPolicy:
         victim_key = pool.lru.pop_victim()
         if victim_key is None:
             return None
-        victim = reg.blocks[victim_key]
-        if tier is Tier.HOST and self._needs_demotion(victim):
+        if tier is Tier.HOST and self._needs_demotion(victim_key):
             disk_slot = self.take_slot(Tier.DISK, plan) if self._may_demote(plan) else None
             if disk_slot is not None:
                 # The worker copies G2 -> G3 before it writes the new block into this slot
                 # (same plan, same worker, in order), so the slot can be handed on now.
-                reg.add_copy(victim, Tier.DISK, disk_slot, plan.job_id)
-                host_slot = reg.take_copy(victim, Tier.HOST)
+                reg.add_copy_key(victim_key, None, Tier.DISK, disk_slot, plan.job_id)
+                host_slot = reg.take_copy_key(victim_key, Tier.HOST)
                 plan.demotions.append(HostDiskMove(victim_key, host_slot, disk_slot))
                 return host_slot
-        if not any(c.is_ready for t, c in victim.copies.items() if t is not tier):
+        if not any(victim_key in p.ready for t, p in reg.pools.items() if t is not tier):
             plan.dropped += 1  # evicted without a copy elsewhere
-        return reg.take_copy(victim, tier)
+        return reg.take_copy_key(victim_key, tier)
 
     # ------------------------------------------------------------------ prepare
     def prepare_store(self, job_id: JobId, keys: Sequence[BlockHash],
@@ -156,12 +157,12 @@ class PlacementPolicy:
                 break
             need -= 1
             entry = reg.blocks[key]
-            if self._needs_demotion(entry):
+            if self._needs_demotion(key):
                 disk_slot = self.take_slot(Tier.DISK, plan)
                 if disk_slot is not None:
                     reg.add_copy(entry, Tier.DISK, disk_slot, job_id)
                     reg.set_busy(entry, job_id)  # its G2 copy is read until the job settles
-                    plan.demotions.append(HostDiskMove(key, entry.copies[Tier.HOST].slot, disk_slot))
+                    plan.demotions.append(HostDiskMove(key, pool.ready[key], disk_slot))
                     continue
             if not entry.ready_in(Tier.DISK):
                 plan.dropped += 1
@@ -178,7 +179,7 @@ class PlacementPolicy:
             return plan
         for key in keys:
             entry = reg.get(key)
-            if (entry is None or not entry.ready_in(Tier.DISK) or Tier.HOST in entry.copies
+            if (entry is None or not entry.ready_in(Tier.DISK) or reg.has_copy(key, Tier.HOST)
                     or entry.busy_job is not None):
                 continue
             reg.set_busy(entry, job_id)  # its G3 copy is read: not evictable until settled
@@ -187,7 +188,7 @@ class PlacementPolicy:
                 reg.set_busy(entry, None)
                 break
             reg.add_copy(entry, Tier.HOST, host_slot, job_id)
-            plan.promotions.append(HostDiskMove(key, host_slot, entry.copies[Tier.DISK].slot))
+            plan.promotions.append(HostDiskMove(key, host_slot, reg.pools[Tier.DISK].ready[key]))
         return plan
 
     # ------------------------------------------------------------------ complete
@@ -225,7 +226,7 @@ class PlacementPolicy:
 
     def reset(self) -> int:
         """Forget every block (a worker's pools were lost); returns how many were dropped."""
-        dropped = len(self.registry.blocks)
+        dropped = len(self.registry.parents)
         self.registry = BlockRegistry(self.capacities, self.journal)
         self.generation += 1
         return dropped

@@ -6,8 +6,28 @@ bytes landed; only *ready* copies are matchable. ``pins`` counts loads in flight
 block; ``busy_job`` names a demotion or promotion reading it. A pinned or busy block is
 never evicted, in any tier.
 
+Layout: no Python object per block. Python's cyclic collector traverses every container
+object it tracks at each full collection, on the event loop's thread; a dict or tuple holding
+only ints, bytes, bools and None is not tracked. So a block's state lies in such dicts, keyed
+by its hash (``benchmarks/gc_pause.py``; ``tests/kvbm_leader/test_registry_gc.py``):
+
+* ``parents``: every known block -> its parent (None for a first block): the set of blocks;
+* ``TierPool.ready``: each ready copy of the tier -> its slot (a load's lookup is one get);
+* ``TierPool.unready``: each pending or corrupt copy -> ``(slot, job, corrupt)``, a tuple of
+  atomic values (the collector stops tracking it at the first collection that sees it);
+* ``pins`` (pinned blocks -> loads in flight) and ``busy`` (blocks a demotion or promotion
+  reads -> its job): only while nonzero / set.
+
+:class:`BlockEntry` is a handle (registry, key) made on demand that reads and changes these;
+:attr:`BlockRegistry.blocks` maps each hash to one. The key-level methods (``*_key``,
+:meth:`~BlockRegistry.load_slot`, :meth:`~BlockRegistry.settle`) are the same operations
+without a handle, for the per-key loops of :mod:`.steps`.
+
 Invariants kept here (every state change goes through a method of :class:`BlockRegistry`):
 
+* a block is in ``parents`` while it has a copy (one with none is forgotten); ``pins`` and
+  ``busy`` hold only blocks in ``parents``; a copy is in exactly one of its tier's ``ready``
+  and ``unready``;
 * a tier's LRU holds exactly the copies that may be evicted now (ready, not corrupt, block
   unpinned and not busy), so a victim is a pop (:mod:`.policies.lru`);
 * ``TierPool.owners`` maps every occupied slot to its block, ``TierPool.pinned`` counts the
@@ -21,17 +41,20 @@ Invariants kept here (every state change goes through a method of :class:`BlockR
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Iterator, Mapping, NamedTuple, Protocol
 
 from kvbm_client.ids import BlockHash, JobId, SlotId, Tier
 
 from .allocator import SlotAllocator
 from .policies.lru import LRUPolicy
 
+#: A pending or corrupt copy: (slot, the job writing it or None once written, corrupt). A plain
+#: tuple of atomic values, so the collector stops tracking it (a :class:`TierCopy` would stay tracked).
+Unready = tuple[SlotId, JobId | None, bool]
 
-@dataclass(slots=True)
-class TierCopy:
-    """One copy of a block in one tier."""
+
+class TierCopy(NamedTuple):
+    """One copy of a block in one tier, as read (:attr:`BlockEntry.copies`): a snapshot."""
 
     slot: SlotId
     job: JobId | None  # the store/demote/promote job writing it; None once written
@@ -45,48 +68,76 @@ class TierCopy:
 _LOAD_ORDER = (Tier.HOST, Tier.DISK)
 
 
-@dataclass(slots=True)
 class BlockEntry:
-    """Everything the leader knows about one logical block (all ranks' shards together)."""
+    """Everything the leader knows about one logical block (all ranks' shards together): a
+    handle on ``registry``'s state for ``key``, read live (nothing is stored in it)."""
 
-    key: BlockHash
-    parent: BlockHash | None = None
-    copies: dict[Tier, TierCopy] = field(default_factory=dict)
-    pins: int = 0  # loads in flight
-    busy_job: JobId | None = None  # a demotion (reads G2) or promotion (reads G3) of this block
+    __slots__ = ("registry", "key")
+
+    def __init__(self, registry: BlockRegistry, key: BlockHash) -> None:
+        self.registry = registry
+        self.key = key
+
+    def __repr__(self) -> str:
+        return f"BlockEntry({self.key.hex()}, copies={self.copies}, pins={self.pins}, busy_job={self.busy_job})"
+
+    @property
+    def parent(self) -> BlockHash | None:
+        return self.registry.parents.get(self.key)
+
+    @property
+    def pins(self) -> int:
+        """Loads in flight."""
+        return self.registry.pins.get(self.key, 0)
+
+    @property
+    def busy_job(self) -> JobId | None:
+        """A demotion (reads G2) or promotion (reads G3) of this block."""
+        return self.registry.busy.get(self.key)
+
+    @property
+    def copies(self) -> dict[Tier, TierCopy]:
+        """Its copies now, per tier (a snapshot: change them through the registry)."""
+        key, out = self.key, dict[Tier, TierCopy]()
+        for tier, pool in self.registry.pools.items():
+            slot = pool.ready.get(key)
+            if slot is not None:
+                out[tier] = TierCopy(slot, None)
+            elif (unready := pool.unready.get(key)) is not None:
+                out[tier] = TierCopy(*unready)
+        return out
 
     def ready_in(self, tier: Tier) -> bool:
-        copy = self.copies.get(tier)
-        return copy is not None and copy.is_ready
+        pool = self.registry.pools.get(tier)
+        return pool is not None and self.key in pool.ready
 
     @property
     def is_free(self) -> bool:
         """Nobody reads the block now: no load pins it, no demotion or promotion copies it."""
-        return self.pins == 0 and self.busy_job is None
+        return self.registry.is_free_key(self.key)
 
     @property
     def is_matchable(self) -> bool:
-        return any(c.is_ready for c in self.copies.values())
+        return any(self.key in pool.ready for pool in self.registry.pools.values())
 
     @property
     def best_tier(self) -> Tier | None:
-        """The fastest tier holding a ready copy (every load asks this per block: kept to dict lookups)."""
-        copies = self.copies
-        for tier in _LOAD_ORDER:
-            copy = copies.get(tier)
-            if copy is not None and copy.job is None and not copy.corrupt:
-                return tier
-        return None
+        """The fastest tier holding a ready copy."""
+        found = self.registry.load_slot(self.key)
+        return found[0] if found is not None else None
 
 
 @dataclass
 class TierPool:
-    """Capacity, free slots, slot owners and the LRU order of the evictable copies of one tier."""
+    """Capacity, free slots, slot owners, the copies and the LRU order of the evictable copies
+    of one tier."""
 
     tier: Tier
     allocator: SlotAllocator
     lru: LRUPolicy = field(default_factory=LRUPolicy)
     owners: dict[SlotId, BlockHash] = field(default_factory=dict)
+    ready: dict[BlockHash, SlotId] = field(default_factory=dict)  # ready copies -> slot
+    unready: dict[BlockHash, Unready] = field(default_factory=dict)  # pending or corrupt copies
     pinned: int = 0  # pinned blocks with a copy here
 
     @property
@@ -105,25 +156,56 @@ class DiskJournal(Protocol):
         """``key`` has no G3 copy any more."""
 
 
+class _Blocks(Mapping[BlockHash, BlockEntry]):
+    """Hash -> :class:`BlockEntry` of every known block (a live view over ``parents``)."""
+
+    __slots__ = ("_reg",)
+
+    def __init__(self, registry: BlockRegistry) -> None:
+        self._reg = registry
+
+    def __getitem__(self, key: BlockHash) -> BlockEntry:
+        if key not in self._reg.parents:
+            raise KeyError(key)
+        return BlockEntry(self._reg, key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._reg.parents
+
+    def __iter__(self) -> Iterator[BlockHash]:
+        return iter(self._reg.parents)
+
+    def __len__(self) -> int:
+        return len(self._reg.parents)
+
+
 class BlockRegistry:
-    """Hash -> :class:`BlockEntry`, plus one :class:`TierPool` per configured tier."""
+    """The blocks (``parents``, ``pins``, ``busy``) and one :class:`TierPool` per configured tier."""
 
     def __init__(self, capacities: dict[Tier, int], journal: DiskJournal | None = None) -> None:
         self.journal = journal
-        self.blocks: dict[BlockHash, BlockEntry] = {}
+        self.parents: dict[BlockHash, BlockHash | None] = {}  # every known block -> its parent
+        self.pins: dict[BlockHash, int] = {}  # pinned blocks -> loads in flight (> 0)
+        self.busy: dict[BlockHash, JobId] = {}  # blocks a demotion or promotion reads -> its job
         self.forgotten: list[BlockHash] = []  # blocks gone since the last take_forgotten()
         self.pools: dict[Tier, TierPool] = {
             tier: TierPool(tier, SlotAllocator(n)) for tier, n in capacities.items() if n > 0}
+        # (tier, its ready copies) fastest first: what a load looks up per block
+        self._load_order = tuple((t, self.pools[t].ready) for t in _LOAD_ORDER if t in self.pools)
 
     # ------------------------------------------------------------------ lookups
+    @property
+    def blocks(self) -> Mapping[BlockHash, BlockEntry]:
+        """Hash -> :class:`BlockEntry` of every known block (read-only, live)."""
+        return _Blocks(self)
+
     def get(self, key: BlockHash) -> BlockEntry | None:
-        return self.blocks.get(key)
+        return BlockEntry(self, key) if key in self.parents else None
 
     def entry(self, key: BlockHash, parent: BlockHash | None = None) -> BlockEntry:
-        found = self.blocks.get(key)
-        if found is None:
-            found = self.blocks[key] = BlockEntry(key, parent)
-        return found
+        """The block ``key``, known from now on (``parent`` is kept only for a new one)."""
+        self.parents.setdefault(key, parent)
+        return BlockEntry(self, key)
 
     def owner(self, tier: Tier, slot: SlotId) -> BlockHash | None:
         pool = self.pools.get(tier)
@@ -137,102 +219,191 @@ class BlockRegistry:
         pool = self.pools.get(tier)
         return pool.pinned if pool else 0
 
+    def has_copy(self, key: BlockHash, tier: Tier) -> bool:
+        """Whether ``key`` has a copy (ready, pending or corrupt) in ``tier``."""
+        pool = self.pools.get(tier)
+        return pool is not None and (key in pool.ready or key in pool.unready)
+
+    def load_slot(self, key: BlockHash) -> tuple[Tier, SlotId] | None:
+        """The fastest tier holding a ready copy of ``key`` and its slot (every load asks this
+        per block: kept to one dict lookup per tier)."""
+        for tier, ready in self._load_order:
+            slot = ready.get(key)
+            if slot is not None:
+                return tier, slot
+        return None
+
+    def is_free_key(self, key: BlockHash) -> bool:
+        """Nobody reads ``key`` now: no load pins it, no demotion or promotion copies it."""
+        return key not in self.pins and key not in self.busy
+
     # ------------------------------------------------------------------ copies
     def add_copy(self, entry: BlockEntry, tier: Tier, slot: SlotId, job: JobId | None) -> None:
         """Give ``entry`` a copy in ``slot`` (already taken from the allocator): pending for
         ``job``, or ready when ``job`` is None."""
-        assert tier not in entry.copies, f"{entry.key.hex()} already has a {tier.label} copy"
+        self.add_copy_key(entry.key, None, tier, slot, job)
+
+    def add_copy_key(self, key: BlockHash, parent: BlockHash | None, tier: Tier, slot: SlotId,
+                     job: JobId | None) -> None:
+        """:meth:`entry` (``key``, ``parent``) then :meth:`add_copy`."""
         pool = self.pools[tier]
-        entry.copies[tier] = TierCopy(slot, job)
-        pool.owners[slot] = entry.key
-        if entry.pins:
+        assert key not in pool.ready and key not in pool.unready, f"{key.hex()} already has a {tier.label} copy"
+        self.parents.setdefault(key, parent)
+        pool.owners[slot] = key
+        if key in self.pins:
             pool.pinned += 1
-        if job is None:  # NOTE: a pending copy changes no LRU membership (and is in none): no refresh
-            self._refresh(entry)
+        if job is None:
+            pool.ready[key] = slot
+            self._refresh(key)
+        else:  # NOTE: a pending copy changes no LRU membership (and is in none): no refresh
+            pool.unready[key] = (slot, job, False)
 
     def take_copy(self, entry: BlockEntry, tier: Tier) -> SlotId:
         """Take a copy away from its block without freeing the slot (the caller reuses it)."""
-        copy = entry.copies.pop(tier)
-        if tier is Tier.DISK and self.journal is not None:
-            self.journal.removed(entry.key)
+        return self.take_copy_key(entry.key, tier)
+
+    def take_copy_key(self, key: BlockHash, tier: Tier) -> SlotId:
         pool = self.pools[tier]
-        pool.lru.remove(entry.key)
-        if pool.owners.get(copy.slot) == entry.key:
-            del pool.owners[copy.slot]
-        if entry.pins:
+        slot = pool.ready.pop(key, None)
+        if slot is None:
+            slot = pool.unready.pop(key)[0]
+        if tier is Tier.DISK and self.journal is not None:
+            self.journal.removed(key)
+        pool.lru.remove(key)
+        if pool.owners.get(slot) == key:
+            del pool.owners[slot]
+        if key in self.pins:
             pool.pinned -= 1
-        if not entry.copies:
-            self.forget(entry.key)
-        return copy.slot
+        if not any(key in p.ready or key in p.unready for p in self.pools.values()):
+            self.forget(key)
+        return slot
 
     def drop_copy(self, entry: BlockEntry, tier: Tier) -> SlotId:
         """Remove the copy, free its slot, forget the block when no copy remains."""
-        slot = self.take_copy(entry, tier)
+        return self.drop_copy_key(entry.key, tier)
+
+    def drop_copy_key(self, key: BlockHash, tier: Tier) -> SlotId:
+        slot = self.take_copy_key(key, tier)
         self.pools[tier].allocator.free(slot)
         return slot
 
     def mark_ready(self, entry: BlockEntry, tier: Tier) -> None:
         """Every worker wrote the copy: matchable (or, if it was condemned meanwhile, dropped)."""
-        copy = entry.copies[tier]
-        if tier is Tier.DISK and self.journal is not None and copy.job is not None and not copy.corrupt:
-            self.journal.stored(entry.key, entry.parent, copy.slot, copy.job)
-        copy.job = None
-        self._refresh(entry)
+        self._mark_ready(entry.key, tier)
+
+    def _mark_ready(self, key: BlockHash, tier: Tier) -> None:
+        pool = self.pools[tier]
+        unready = pool.unready.get(key)
+        if unready is None:  # ready already
+            if key not in pool.ready:
+                raise KeyError(key)
+        else:
+            slot, job, corrupt = unready
+            if tier is Tier.DISK and self.journal is not None and job is not None and not corrupt:
+                self.journal.stored(key, self.parents.get(key), slot, job)
+            if corrupt:
+                pool.unready[key] = (slot, None, True)
+            else:
+                del pool.unready[key]
+                pool.ready[key] = slot
+        self._refresh(key)
+
+    def settle(self, key: BlockHash, tier: Tier, job: JobId, ready: bool) -> bool:
+        """``job``'s copy of ``key`` in ``tier`` is written (``ready``: every worker confirmed
+        it) or not: ready it, or drop it (as when it was condemned meanwhile). True if made
+        ready; a copy not pending for ``job`` is left alone (False)."""
+        pool = self.pools.get(tier)
+        unready = pool.unready.get(key) if pool is not None else None
+        if unready is None or unready[1] != job:
+            return False
+        if ready and not unready[2]:
+            self._mark_ready(key, tier)
+            return True
+        self.drop_copy_key(key, tier)
+        return False
 
     def condemn(self, entry: BlockEntry, tier: Tier) -> bool:
         """A worker reported this copy's bytes bad: never match it again; free its slot now if
         nobody reads or writes it, else once they are done. False if it was condemned already."""
-        copy = entry.copies[tier]
-        if copy.corrupt:
-            return False
-        copy.corrupt = True
-        self._refresh(entry)
+        key, pool = entry.key, self.pools[tier]
+        slot = pool.ready.pop(key, None)
+        if slot is not None:
+            pool.unready[key] = (slot, None, True)
+        else:
+            slot, job, corrupt = pool.unready[key]
+            if corrupt:
+                return False
+            pool.unready[key] = (slot, job, True)
+        self._refresh(key)
         return True
 
     # ------------------------------------------------------------------ readers
     def pin(self, entry: BlockEntry) -> None:
-        entry.pins += 1
-        if entry.pins == 1:  # every load pins each block of its hit: the hot path, kept to dict operations
-            for tier in entry.copies:
-                pool = self.pools[tier]
-                pool.pinned += 1
-                pool.lru.remove(entry.key)  # what _refresh does to a block that is not free
+        if entry.key in self.parents:  # a forgotten block has nothing to hold
+            self.pin_key(entry.key)
+
+    def pin_key(self, key: BlockHash) -> None:
+        """A load reads ``key`` (a known block): out of the LRUs until unpinned."""
+        pins = self.pins.get(key, 0) + 1
+        self.pins[key] = pins
+        if pins == 1:  # every load pins each block of its hit: the hot path, kept to dict operations
+            for pool in self.pools.values():
+                if key in pool.ready or key in pool.unready:
+                    pool.pinned += 1
+                    pool.lru.remove(key)  # what _refresh does to a block that is not free
 
     def unpin(self, entry: BlockEntry) -> None:
-        if entry.pins == 0:
+        self.unpin_key(entry.key)
+
+    def unpin_key(self, key: BlockHash) -> None:
+        pins = self.pins.get(key, 0)
+        if pins == 0:
             return  # settled after a reset, or twice: nothing is held
-        entry.pins -= 1
-        if entry.pins == 0:
-            for tier in entry.copies:
-                self.pools[tier].pinned -= 1
-            self._refresh(entry)
+        if pins > 1:
+            self.pins[key] = pins - 1
+            return
+        del self.pins[key]
+        for pool in self.pools.values():
+            if key in pool.ready or key in pool.unready:
+                pool.pinned -= 1
+        self._refresh(key)
 
     def set_busy(self, entry: BlockEntry, job: JobId | None) -> None:
-        entry.busy_job = job
-        self._refresh(entry)
+        key = entry.key
+        if job is None:
+            self.busy.pop(key, None)
+        elif key in self.parents:  # a forgotten block has nothing to hold
+            self.busy[key] = job
+        self._refresh(key)
 
     def touch(self, entry: BlockEntry, tier: Tier) -> None:
         """A hit on ``entry`` in ``tier``: most recently used there."""
         self.pools[tier].lru.touch(entry.key)
 
-    def _refresh(self, entry: BlockEntry) -> None:
-        """Bring the LRU membership of ``entry``'s copies in line with their state, and free
+    def _refresh(self, key: BlockHash) -> None:
+        """Bring the LRU membership of ``key``'s copies in line with their state, and free
         the slots of condemned copies nobody uses any more."""
-        free = entry.is_free
-        for tier, copy in list(entry.copies.items()):
-            lru = self.pools[tier].lru
-            if copy.corrupt and free and copy.job is None:
-                self.drop_copy(entry, tier)
-            elif free and copy.is_ready:
-                if entry.key not in lru:  # NOTE: a refresh is no use: keep the position
-                    lru.insert(entry.key)
-            else:
-                lru.remove(entry.key)
+        free = key not in self.pins and key not in self.busy
+        for tier, pool in self.pools.items():
+            lru = pool.lru
+            if key in pool.ready:
+                if not free:
+                    lru.remove(key)
+                elif key not in lru:  # NOTE: a refresh is no use: keep the position
+                    lru.insert(key)
+            elif (unready := pool.unready.get(key)) is not None:
+                if unready[2] and free and unready[1] is None:
+                    self.drop_copy_key(key, tier)
+                else:
+                    lru.remove(key)
 
     # ------------------------------------------------------------------ journal
     def forget(self, key: BlockHash) -> None:
         """Drop a block that has no copy left (journaled for the KV events)."""
-        if self.blocks.pop(key, None) is not None:
+        if key in self.parents:
+            del self.parents[key]
+            self.pins.pop(key, None)
+            self.busy.pop(key, None)
             self.forgotten.append(key)
 
     def take_forgotten(self) -> list[BlockHash]:

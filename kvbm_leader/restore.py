@@ -155,7 +155,7 @@ class G3Restorer:
         pool = reg.pools.get(Tier.DISK)
         if pool is None or not found.keys:
             return 0
-        rows = [i for i, k in enumerate(found.keys) if k not in reg.blocks]
+        rows = [i for i, k in enumerate(found.keys) if k not in reg.parents]
         taken = pool.allocator.reserve(found.slots[i] for i in rows)
         rows = [i for i in rows if found.slots[i] in taken]
         for start in range(0, len(rows), SLICE):
@@ -166,7 +166,7 @@ class G3Restorer:
             blocks = []
             for i in rows[start:start + SLICE]:
                 key, parent = found.keys[i], found.parents[i]
-                reg.add_copy(reg.entry(key, parent), Tier.DISK, found.slots[i], None)
+                reg.add_copy_key(key, parent, Tier.DISK, found.slots[i], None)
                 blocks.append((key, parent))
             self.feed.events.stored(blocks, Tier.DISK)  # just added, all ready: no registry pass
         return len(rows)

@@ -63,6 +63,7 @@ class StoreStepper(_Cursor):
     def _do(self, start: int, stop: int) -> bool:
         policy, plan, seen, keys, parents = self.policy, self.plan, self._seen, self.keys, self.parents
         reg, freq, tier = policy.registry, policy.frequency, policy.store_tier
+        pool = reg.pools[tier] if tier is not None else None
         for i in range(start, stop):
             key = keys[i]
             if key in seen:
@@ -72,8 +73,7 @@ class StoreStepper(_Cursor):
             # Dynamo's filter: 1 on first sight, doubled on each later sight. A block offered
             # again (another request computed the same prefix) is a later sight, stored or not.
             freq.offer(key)
-            entry = reg.get(key)
-            if entry is not None and tier in entry.copies:
+            if pool is not None and (key in pool.ready or key in pool.unready):
                 plan.skipped_present += 1
                 continue
             slot = policy.take_slot(tier, plan) if tier is not None else None
@@ -81,7 +81,7 @@ class StoreStepper(_Cursor):
                 plan.skipped_full += 1
                 continue
             assert tier is not None
-            reg.add_copy(reg.entry(key, parents[i] if parents else None), tier, slot, plan.job_id)
+            reg.add_copy_key(key, parents[i] if parents else None, tier, slot, plan.job_id)
             plan.keys.append(key)
             plan.tiers.append(tier)
             plan.slots.append(slot)
@@ -103,19 +103,18 @@ class LoadStepper(_Cursor):
 
     def _do(self, start: int, stop: int) -> bool:
         reg, plan = self.policy.registry, self.plan
-        blocks = reg.blocks
+        load_slot, pin = reg.load_slot, reg.pin_key
         go_on = True
         for i in range(start, stop):
             key = self.keys[i]
-            entry = blocks.get(key)
-            tier = entry.best_tier if entry is not None else None
-            if entry is None or tier is None:
+            found = load_slot(key)
+            if found is None:
                 go_on = False
                 break
-            reg.pin(entry)  # out of the LRUs until unpinned: a use, it comes back most recent
+            pin(key)  # out of the LRUs until unpinned: a use, it comes back most recent
             plan.keys.append(key)
-            plan.tiers.append(tier)
-            plan.slots.append(entry.copies[tier].slot)
+            plan.tiers.append(found[0])
+            plan.slots.append(found[1])
         return go_on
 
     def run(self) -> JobPlacement:
@@ -147,14 +146,14 @@ class MatchStepper(_Cursor):
         reg, freq, tiers = self.policy.registry, self.policy.frequency, self.tiers
         for i in range(start, stop):
             key = self.keys[i]
-            entry = reg.get(key)
-            tier = entry.best_tier if entry is not None else None
-            if entry is None or tier is None:
+            found = reg.load_slot(key)
+            if found is None:
                 return False
+            tier = found[0]
             tiers.append(tier)
             if self.count_hit:
                 freq.hit(key)
-                reg.touch(entry, tier)
+                reg.pools[tier].lru.touch(key)
         return True
 
     @property
@@ -181,16 +180,7 @@ class CompletionStepper(_Cursor):
         self.total = self._demotions + self._entries + len(plan.promotions)
 
     def _settle_copy(self, key: BlockHash, tier: Tier) -> bool:
-        reg = self.policy.registry
-        entry = reg.get(key)
-        copy = entry.copies.get(tier) if entry is not None else None
-        if entry is None or copy is None or copy.job != self.plan.job_id:
-            return False
-        if self.success and not copy.corrupt:
-            reg.mark_ready(entry, tier)
-            return True
-        reg.drop_copy(entry, tier)
-        return False
+        return self.policy.registry.settle(key, tier, self.plan.job_id, self.success)
 
     def _demotion(self, i: int) -> None:
         move, reg, plan = self.plan.demotions[i], self.policy.registry, self.plan
@@ -200,7 +190,7 @@ class CompletionStepper(_Cursor):
             # The G2 copy was kept readable while it was copied; now free its slot.
             if self.success and entry.pins == 0 and entry.ready_in(Tier.HOST):
                 reg.drop_copy(entry, Tier.HOST)
-            if reg.blocks.get(move.key) is entry:
+            if move.key in reg.parents:  # not forgotten with that copy
                 reg.set_busy(entry, None)
 
     def _entry(self, i: int) -> None:
@@ -211,10 +201,7 @@ class CompletionStepper(_Cursor):
                 out.stored[tier] += 1
                 out.ready.append((key, tier))
         elif plan.kind is PlanKind.LOAD:
-            reg = self.policy.registry
-            entry = reg.get(key)
-            if entry is not None:
-                reg.unpin(entry)
+            self.policy.registry.unpin_key(key)
             out.loaded[tier] += self.success
 
     def _promotion(self, i: int) -> None:

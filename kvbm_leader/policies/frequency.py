@@ -4,9 +4,12 @@ Runs in the leader; pure and synchronous. Dynamo KVBM's rule: a block's frequenc
 first seen, doubles on each hit, and every decay step lowers every frequency by 1 (entries
 reaching 0 are forgotten). A block may go G2 -> G3 only when its frequency is >= 2.
 
-NOTE: decay is lazy. Each entry remembers the decay step it was last written at, and its
-effective count is ``count - (steps since)``; a decay step is then O(1) instead of a pass
-over up to a million entries that would stall the leader's event loop.
+NOTE: decay is lazy. Each entry holds one int, the decay step at which its frequency reaches
+0 (``count`` written at step ``s`` is stored as ``count + s``), so its effective frequency is
+``stored - step now``; a decay step is then O(1) instead of a pass over up to a million entries
+that would stall the leader's event loop. One int, not a ``(count, step)`` tuple: the table
+holds no object the cyclic collector tracks (a tuple is tracked until a collection sees it, and
+past the bound a new key's tuple replaced an old one's without ever triggering that collection).
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ class FrequencyFilter:
             raise ValueError("max_entries must be positive")
         self.max_entries = max_entries
         self.enabled = enabled
-        self._table: OrderedDict[BlockHash, tuple[int, int]] = OrderedDict()
+        self._table: OrderedDict[BlockHash, int] = OrderedDict()  # key -> step its frequency reaches 0
         self._step = 0
 
     def __len__(self) -> int:
@@ -38,14 +41,13 @@ class FrequencyFilter:
         entry = self._table.get(key)
         if entry is None:
             return 0
-        count, step = entry
-        return max(0, count - (self._step - step))
+        return max(0, entry - self._step)
 
     def _write(self, key: BlockHash, count: int) -> None:
         if count <= 0:
             self._table.pop(key, None)
             return
-        self._table[key] = (count, self._step)
+        self._table[key] = count + self._step
         self._table.move_to_end(key)
         while len(self._table) > self.max_entries:
             self._table.popitem(last=False)
@@ -67,11 +69,11 @@ class FrequencyFilter:
         table, step = self._table, self._step
         entry = table.get(key)
         if entry is not None:
-            freq = entry[0] - (step - entry[1])
-            table[key] = (2 * freq if freq > 0 else 1, step)
+            freq = entry - step
+            table[key] = (2 * freq if freq > 0 else 1) + step
             table.move_to_end(key)
             return
-        table[key] = (1, step)  # a new key goes in last (most recently touched); only it grows the table
+        table[key] = 1 + step  # a new key goes in last (most recently touched); only it grows the table
         if len(table) > self.max_entries:
             table.popitem(last=False)
 
@@ -89,12 +91,12 @@ class FrequencyFilter:
         for key in keys:
             entry = get(key)
             if entry is None:
-                table[key] = (2, step)  # a new key goes in last (most recently touched); only it grows the table
+                table[key] = 2 + step  # a new key goes in last (most recently touched); only it grows the table
                 if len(table) > bound:
                     table.popitem(last=False)
                 continue
-            freq = entry[0] - (step - entry[1])
-            table[key] = (2 * freq if freq > 0 else 2, step)
+            freq = entry - step
+            table[key] = (2 * freq if freq > 0 else 2) + step
             move(key)
 
     def decay(self, prune_budget: int = 10_000) -> None:
