@@ -5,10 +5,11 @@ with the worker daemon, loads and stores in flight, fences, delayed frees, load 
 :class:`~kvbm_client.connectors.core.WorkerCore`; this adapter describes vLLM's KV tensors as
 a region and reads vLLM's step metadata.
 
-A step's stores are planned by the scheduler role while the step runs and ship with the next
-step (``async_store_plans``, the default): they start in ``bind_connector_metadata``, before
-that step's forward is enqueued, ordered after the forward that wrote their blocks (without
-``async_store_plans``, in ``wait_for_save`` of their own step). They are awaited only when a
+A step's own stores start in ``wait_for_save`` (the step's KV is written). Those of a step
+that completed many blocks (a prefill chunk; ``async_store_plans``) are planned by the scheduler
+role while that step runs and ship with the next step: they start in ``bind_connector_metadata``,
+before that step's forward is enqueued, ordered after the forward that wrote their blocks
+(``StepPlan.earlier_stores``). Stores are awaited only when a
 preempted request's blocks may be rewritten (``handle_preemptions`` /
 ``bind_connector_metadata`` with ``fence``); finished requests whose stores were in flight
 are reported in ``finished_sending`` so vLLM frees their blocks only then. Loads start in
