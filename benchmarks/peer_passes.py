@@ -1,8 +1,10 @@
 """Passes of the vLLM peers harness (``vllm_peers.py --passes N``): the order the systems run in,
 and the summary over the passes. Pure logic: nothing here starts an engine.
 
-The systems run in order N times (A B C A B C ...), each in an engine started afresh per pass, so
-a slow phase of the machine falls on every system rather than on one. Per system (per *slot*: a
+The systems run N times, in order in even passes and in reverse in odd ones (A B C C B A A B C ...;
+before 2026-11-26's eleventh session always in order), each in an engine started afresh per pass,
+so a slow phase of the machine falls on every system rather than on one, and no system is always
+the first engine on the machine or always the one after a given other. Per system (per *slot*: a
 name listed twice, as in ``baseline,ours,ours``, is two slots ``ours`` and ``ours#2``) the summary
 is the median over the passes of each pass's warm p50 and p90; a slot whose passes differ by more
 than :data:`TOLERANCE` ((max - min) / min of either figure) did not reproduce, and so does a slot
@@ -33,11 +35,12 @@ def slots(systems: list[str]) -> list[str]:
 
 
 def schedule(systems: list[str], passes: int) -> list[tuple[int, str, str]]:
-    """``(pass, slot, system)`` in the order they run: every system of pass 0, then of pass 1, ..."""
+    """``(pass, slot, system)`` in the order they run: every system of pass 0 in order, then of
+    pass 1 in reverse, and so on."""
     if passes < 1:
         raise ValueError(f"passes must be >= 1, not {passes}")
-    labels = slots(systems)
-    return [(p, slot, name) for p in range(passes) for slot, name in zip(labels, systems)]
+    pairs = list(zip(slots(systems), systems))
+    return [(p, slot, name) for p in range(passes) for slot, name in (pairs if p % 2 == 0 else pairs[::-1])]
 
 
 def run_passes(systems: list[str], passes: int, run_one: Runner,

@@ -7,7 +7,8 @@ generate(max_tokens=1). Cold round 0 is reported apart from the warm rounds.
 
   python3 vllm_peers.py --systems baseline,native,lmcache,dynamo,ours --out results.jsonl [--passes 2] [--cuda-graphs]
 
---passes N runs the systems in order N times (A B C A B C ...), a fresh engine each time, and ends
+--passes N runs the systems N times, in order and in reverse by turns (A B C C B A ...), a fresh
+engine each time, and ends
 with one summary per system: the median over the passes of each pass's warm p50 / p90, each pass's
 value, and "did not reproduce" where the passes differ by more than 10 % (``peer_passes.py``).
 Every result line carries its ``pass``; ``--passes 1`` (the default) is the single run of before.
@@ -265,7 +266,8 @@ def parse_args(argv=None):
     ap.add_argument("--timeout", type=int, default=300, help="seconds per engine (one system, one pass)")
     ap.add_argument("--max-tokens", type=int, default=1)
     ap.add_argument("--passes", type=int, default=1,
-                    help="run the systems in order this many times (A B C A B C ...), a fresh engine each")
+                    help="run the systems this many times, in order and in reverse by turns (A B C C B A ...), "
+                         "a fresh engine each")
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="vLLM's default compilation and CUDA graphs instead of enforce_eager")
     ap.add_argument("--out", default="")

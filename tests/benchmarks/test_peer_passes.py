@@ -25,11 +25,11 @@ def test_slots_label_a_repeated_system_by_its_occurrence():
     assert slots(["baseline", "ours", "ours", "native", "ours"]) == ["baseline", "ours", "ours#2", "native", "ours#3"]
 
 
-def test_schedule_alternates_the_systems_pass_by_pass():
+def test_schedule_alternates_the_systems_pass_by_pass_in_order_then_in_reverse():
     order = schedule(["baseline", "native", "ours"], 3)
     assert [(p, name) for p, _, name in order] == [
         (0, "baseline"), (0, "native"), (0, "ours"),
-        (1, "baseline"), (1, "native"), (1, "ours"),
+        (1, "ours"), (1, "native"), (1, "baseline"),
         (2, "baseline"), (2, "native"), (2, "ours")]
 
 
@@ -54,8 +54,8 @@ def test_run_passes_calls_the_runner_in_order_and_emits_each_result_as_it_comes(
 
     results = run_passes(["a", "b", "a"], 2, fake_runner, emitted.append)
     assert calls == [("a", 0), ("b", 0), ("a", 0), ("a", 1), ("b", 1), ("a", 1)]
-    assert [(r["pass"], r["slot"]) for r in results] == [(0, "a"), (0, "b"), (0, "a#2"), (1, "a"), (1, "b"),
-                                                        (1, "a#2")]
+    assert [(r["pass"], r["slot"]) for r in results] == [(0, "a"), (0, "b"), (0, "a#2"), (1, "a#2"), (1, "b"),
+                                                        (1, "a")]
     assert emitted == results
 
 
