@@ -54,7 +54,7 @@ from .leader_link import LeaderPort
 from .prefill import PrefillMeter
 from .settings import ConnectorSettings
 from .specs import LoadSpec, RequestId, StepPlan, StoreSpec
-from .store_planner import StorePlanner
+from .store_planner import StorePlanner, store_spec
 from .tracing import trace, tracing
 
 log = logging.getLogger("kvbm.connector")
@@ -282,7 +282,7 @@ class SchedulerCore:
         if tracing() and (plan.loads or keys):
             trace("step", loads=[(x.req_id, len(x.engine_blocks), x.sync) for x in plan.loads], store_keys=len(keys))
         if self._planner is not None and self._planner.pending:
-            spec, _ = self._planner.collect()  # the previous step's: sent before this step's forward
+            spec = self._planner.collect()  # the previous step's: sent before this step's forward
             if spec is not None:
                 plan.earlier_stores.append(spec)
         if self._planner is not None and len(keys) >= self._planner.min_keys:
@@ -309,14 +309,12 @@ class SchedulerCore:
         handle = self._leader.prepare_store(keys)
         if tracing():
             trace("prepare_store", keys=len(keys), ms=round((time.perf_counter() - t0) * 1e3, 2))
-        if handle is None or handle.is_empty:
+        spec = store_spec(handle, blocks, owners)
+        if spec is None:
             return []
-        assert handle.signed is not None, "a non-empty store handle carries its signed plan"
-        picked = [owners[i] for i in handle.indices]
-        for req_id in set(picked):
+        for req_id in set(spec.req_ids):
             self._reqs[req_id].has_stores = True
-        return [StoreSpec(handle.signed.plan, handle.signed.signature, [blocks[i] for i in handle.indices], picked,
-                          deadline=handle.deadline)]
+        return [spec]
 
     def step_done(self) -> None:
         """The oldest scheduled step's output came back (vLLM ``update_connector_output``)."""

@@ -42,12 +42,18 @@ from .tracing import trace, tracing
 
 log = logging.getLogger("kvbm.connector")
 
-#: The vLLM connector's ``min_keys`` (``async_store_min_blocks``'s default). A ``PrepareStore`` of a few blocks is short (1.2-1.4 ms for
-#: 10 on an H100 host), and in a warm request's step it is hidden behind the load's copy; asked
-#: for off the thread it overlapped the forward's enqueueing instead, and the 20K warm TTFT was
-#: 92.2 against 86.8 ms (machine r, 2026-11-26, 2 passes each, one run). A cold 20K prefill's
-#: steps store 1024 and 234 blocks (3-7 ms each on the scheduler's thread).
-MIN_KEYS = 64
+
+def store_spec(handle: TransferHandle | None, blocks: list[EngineBlockId],
+               owners: list[RequestId]) -> StoreSpec | None:
+    """The stores a leader's ``PrepareStore`` answer planned (entry i of the request: block
+    ``blocks[i]`` of request ``owners[i]``); None when it planned none or could not be asked."""
+    if handle is None or handle.is_empty:
+        return None
+    assert handle.signed is not None, "a non-empty store handle carries its signed plan"
+    picked = [owners[i] for i in handle.indices]
+    log.debug("kvbm store: %d of %d new blocks planned", len(picked), len(blocks))
+    return StoreSpec(handle.signed.plan, handle.signed.signature, [blocks[i] for i in handle.indices], picked,
+                     deadline=handle.deadline)
 
 
 @dataclass
@@ -67,12 +73,14 @@ class StorePlanner:
     Args:
         leader: this planner's own leader link (called from its thread only).
         min_keys: the fewest new blocks a step must have for its plan to be asked for here
-            (:data:`MIN_KEYS`); the scheduler core plans smaller steps on its own thread.
+            (the vLLM connector's: ``async_store_min_blocks``, see
+            :data:`.settings.DEFAULT_ASYNC_STORE_MIN_BLOCKS`); the scheduler core plans smaller
+            steps on its own thread.
         wait_s: how long :meth:`collect` waits for an answer still on its way (the leader
             link's own timeout, with one retry, bounds the call itself; this is a backstop).
     """
 
-    def __init__(self, leader: LeaderPort, wait_s: float = 10.0, min_keys: int = 0) -> None:
+    def __init__(self, leader: LeaderPort, wait_s: float = 10.0, min_keys: int = 1) -> None:
         self._leader = leader
         self.min_keys = max(1, min_keys)
         self._wait_s = wait_s
@@ -101,12 +109,12 @@ class StorePlanner:
         """A step's stores were asked for and not collected yet."""
         return self._asked is not None
 
-    def collect(self) -> tuple[StoreSpec | None, list[RequestId]]:
+    def collect(self) -> StoreSpec | None:
         """The previous step's stores (None: nothing to store, the leader skipped them all or
-        could not be asked) and the requests they read blocks of (``picked``)."""
+        could not be asked)."""
         asked, self._asked = self._asked, None
         if asked is None:
-            return None, []
+            return None
         t0 = time.perf_counter()
         try:
             handle = asked.future.result(timeout=self._wait_s)
@@ -115,19 +123,12 @@ class StorePlanner:
             # slots return after the job timeout) and the blocks are not offered again.
             log.warning("kvbm: the leader did not plan %d stores within %gs; they are skipped", len(asked.blocks),
                         self._wait_s)
-            return None, []
+            return None
         if tracing():
             trace("store_plan_collected", wait_ms=round((time.perf_counter() - t0) * 1e3, 2),
                   age_ms=round((time.perf_counter() - asked.asked_at) * 1e3, 2),
                   planned=handle.num_blocks if handle is not None else 0)
-        if handle is None or handle.is_empty:
-            return None, []
-        assert handle.signed is not None, "a non-empty store handle carries its signed plan"
-        picked = [asked.owners[i] for i in handle.indices]
-        log.debug("kvbm store: %d of %d new blocks planned (job %s)", len(picked), len(asked.blocks), handle.job_id)
-        spec = StoreSpec(handle.signed.plan, handle.signed.signature, [asked.blocks[i] for i in handle.indices],
-                         picked, deadline=handle.deadline)
-        return spec, picked
+        return store_spec(handle, asked.blocks, asked.owners)
 
     def close(self) -> None:
         """Give back a plan that will not ship, stop the thread, close the leader link."""
