@@ -108,7 +108,7 @@ def test_two_passes_alternate_and_end_with_a_summary_per_system(tmp_path, monkey
     runner = FakeRunner({("baseline", 0): 0.400, ("ours", 0): 0.100, ("native", 0): 0.120,
                          ("baseline", 1): 0.404, ("ours", 1): 0.104, ("native", 1): 0.150})
     lines, _ = harness(tmp_path, monkeypatch, ["--systems", "baseline,ours,native", "--passes", "2"], runner)
-    assert runner.calls == [("baseline", 0), ("ours", 0), ("native", 0), ("baseline", 1), ("ours", 1), ("native", 1)]
+    assert runner.calls == [("baseline", 0), ("ours", 0), ("native", 0), ("native", 1), ("ours", 1), ("baseline", 1)]
     head, results, sums = lines[0], lines[1:7], lines[7:]
     assert head["passes"] == 2 and head["mode"] == "eager"
     assert [(r["system"], r["pass"]) for r in results] == runner.calls

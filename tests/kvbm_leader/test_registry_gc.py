@@ -56,14 +56,16 @@ def tracked_growth(blocks: int) -> tuple[int, PlacementPolicy, list[JobPlacement
 
 
 def test_a_filled_registry_holds_no_tracked_object_per_block() -> None:
+    tracked_growth(4096)  # NOTE: what the first use in this process creates once (caches, lazy imports)
     growth, policy, in_flight = tracked_growth(4096)
     reg = policy.registry
     assert len(reg.blocks) > 2500 and reg.used(HOST) == 2048 and reg.used(DISK) > 500
     # The policy's own objects and the plans in flight (a few lists each, and a HostDiskMove per
     # demotion or promotion it carries), none per block: the old layout (three per block) grew
-    # by more than 7500.
+    # by more than 7500. (The margin covers what else the test process makes meanwhile: once,
+    # under CI's two workers, 343 against 64 + 264 moves.)
     moves = sum(len(p.demotions) + len(p.promotions) for p in in_flight)
-    assert growth <= 64 + moves, (growth, moves)
+    assert growth <= 256 + moves, (growth, moves)
     again, _, in_flight = tracked_growth(16384)
     assert again - sum(len(p.demotions) + len(p.promotions) for p in in_flight) <= growth - moves + 8
 
