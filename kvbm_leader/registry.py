@@ -116,16 +116,6 @@ class BlockEntry:
         """Nobody reads the block now: no load pins it, no demotion or promotion copies it."""
         return self.registry.is_free_key(self.key)
 
-    @property
-    def is_matchable(self) -> bool:
-        return any(self.key in pool.ready for pool in self.registry.pools.values())
-
-    @property
-    def best_tier(self) -> Tier | None:
-        """The fastest tier holding a ready copy."""
-        found = self.registry.load_slot(self.key)
-        return found[0] if found is not None else None
-
 
 @dataclass
 class TierPool:
@@ -338,10 +328,6 @@ class BlockRegistry:
         return True
 
     # ------------------------------------------------------------------ readers
-    def pin(self, entry: BlockEntry) -> None:
-        if entry.key in self.parents:  # a forgotten block has nothing to hold
-            self.pin_key(entry.key)
-
     def pin_key(self, key: BlockHash) -> None:
         """A load reads ``key`` (a known block): out of the LRUs until unpinned."""
         pins = self.pins.get(key, 0) + 1
@@ -351,9 +337,6 @@ class BlockRegistry:
                 if key in pool.ready or key in pool.unready:
                     pool.pinned += 1
                     pool.lru.remove(key)  # what _refresh does to a block that is not free
-
-    def unpin(self, entry: BlockEntry) -> None:
-        self.unpin_key(entry.key)
 
     def unpin_key(self, key: BlockHash) -> None:
         pins = self.pins.get(key, 0)
@@ -375,10 +358,6 @@ class BlockRegistry:
         elif key in self.parents:  # a forgotten block has nothing to hold
             self.busy[key] = job
         self._refresh(key)
-
-    def touch(self, entry: BlockEntry, tier: Tier) -> None:
-        """A hit on ``entry`` in ``tier``: most recently used there."""
-        self.pools[tier].lru.touch(entry.key)
 
     def _refresh(self, key: BlockHash) -> None:
         """Bring the LRU membership of ``key``'s copies in line with their state, and free
