@@ -17,7 +17,9 @@ def test_frozen_startup_objects_leave_the_walk_and_later_cycles_are_still_collec
     startup = [[i] for i in range(200_000)]  # long-lived, tracked: what a started daemon holds
     try:
         frozen = freeze_startup_heap("test")
-        assert frozen >= len(startup) and gc.get_freeze_count() == frozen
+        # Frozen objects still die when their last reference goes (a temporary the caller held
+        # during the call, say), and leave the permanent generation then: the count may only fall.
+        assert frozen >= len(startup) and len(startup) <= gc.get_freeze_count() <= frozen
         assert not any(o is startup for o in gc.get_objects()), "a frozen object is still walked"
         assert not any(o is startup[0] for o in gc.get_objects())
         a, b = Node(), Node()
