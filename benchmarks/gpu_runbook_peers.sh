@@ -65,6 +65,9 @@
 #             the eleventh session), kvbm's default (big steps' store plans asked for off that thread) and
 #             kvbm on vLLM's per-layer KV tensors (ours_layerwise_perlayer: does the cross-layer buffer cost
 #             the forward?); 2 passes
+#   coldf20   the cold target, eager, 3 passes: vLLM alone, kvbm asking the leader for every lookup
+#             (ours_layerwise_nofilter, before the twelfth session), kvbm's default (a cold lookup
+#             answered by the leader's presence filter, no round trip)
 #   spy20g    20K graphs, LMCache then kvbm, each engine process sampled by py-spy (spy20g_<pid>.txt:
 #             why kvbm's forward costs the engine's thread more CPU than LMCache's under graphs)
 #   interference  wait_copy_interference.py: a load's host -> GPU copy alone and beside another process's
@@ -128,6 +131,8 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
               KVBM_CONNECTOR_TRACE=$R/t20k_$s.jsonl $T "$R/ttft20k_$s.jsonl" \
                 baseline,ours_layerwise_syncstore,ours_layerwise,ours_layerwise_perlayer $A20 $H $O --passes 2 \
                 >"$R/$s.log" 2>&1 ;;
+    coldf20) KVBM_CONNECTOR_TRACE=$R/t20k_$s.jsonl $T "$R/ttft20k_$s.jsonl" \
+                baseline,ours_layerwise_nofilter,ours_layerwise $A20 $H --timeout 300 --passes 3 >"$R/$s.log" 2>&1 ;;
     stresslazy|stresstail) V=true; N=stress_lazy_gpuwait; [ $s = stresstail ] && V='"tail"' && N=stress_tail
               python3 -m tests.stress.run --users 12 --turns 3 --gpu 0 --async-scheduling on --block-size 16 \
               --dtype float32 --load-mode layerwise --kvbm-extra "{\"gpu_layer_waits\": $V}" --passes none \

@@ -72,6 +72,8 @@ LAYER_HOOKS = ("dynamo",)
 #: ours_layerwise_syncstore: each step's PrepareStore on vLLM's scheduler thread, its stores
 #: shipped with that step (async_store_plans false: the behaviour until 2026-11-26's eleventh session) (A/B);
 #: ours_layerwise_perlayer: vLLM's per-layer KV tensors instead of one cross-layer buffer (A/B)
+#: ours_layerwise_nofilter: every lookup asks the leader, as before the twelfth session's presence
+#: filter (presence_filter false) (A/B)
 OURS = {"ours": {}, "ours_sync": {"load_mode": "sync"}, "ours_async": {"load_mode": "async"},
         "ours_layerwise": {"load_mode": "layerwise"},
         "ours_layerwise_noearly": {"load_mode": "layerwise", "early_loads": False},
@@ -82,7 +84,8 @@ OURS = {"ours": {}, "ours_sync": {"load_mode": "sync"}, "ours_async": {"load_mod
         "ours_layerwise_g4": {"load_mode": "layerwise", "layer_groups": 4},
         "ours_layerwise_g3": {"load_mode": "layerwise", "layer_groups": 3},
         "ours_layerwise_syncstore": {"load_mode": "layerwise", "async_store_plans": False},
-        "ours_layerwise_perlayer": {"load_mode": "layerwise", "cross_layer_blocks": False}}
+        "ours_layerwise_perlayer": {"load_mode": "layerwise", "cross_layer_blocks": False},
+        "ours_layerwise_nofilter": {"load_mode": "layerwise", "presence_filter": False}}
 SYSTEMS = ("recompute", "baseline", "native", "lmcache", "lmcache_timed", "dynamo", *OURS)
 
 

@@ -26,6 +26,7 @@ from .config import KvbmConfig
 from .contract import pb, rpc
 from .errors import KvbmError, from_rpc_error
 from .ids import BlockHash, SessionId
+from .presence import PresenceView
 from .session import SessionCore
 
 log = logging.getLogger("kvbm.client")
@@ -47,6 +48,12 @@ class LeaderSession:
         self._channel = open_channel(address, config or KvbmConfig.from_env())
         self._stub: Any = rpc.LeaderStub(self._channel)  # the generated stubs are untyped
         self._stop = threading.Event()
+        #: the leader's presence filter, mapped (None: none, or not readable here); replaced,
+        #: never closed, when the session re-opens (the scheduler thread may be reading it)
+        self._presence: PresenceView | None = None
+        self._presence_from = ""  # the path it was mapped from
+        #: blocks of lookups answered as misses by the filter, not told to the leader yet
+        self._unasked = 0
         try:
             self._open(wait_for_ready=True)
         except KvbmError:
@@ -71,6 +78,10 @@ class LeaderSession:
         except grpc.RpcError as exc:
             raise self._session.open_error(exc, self.address, self.timeout) from None
         self._session.opened(resp)
+        if self._session.presence_path != self._presence_from:
+            self._presence_from = self._session.presence_path
+            self._presence = PresenceView.open(self._presence_from, self._session.presence_bits,
+                                               self._session.leader_id)
 
     def _renew(self) -> None:
         core = self._session
@@ -103,6 +114,22 @@ class LeaderSession:
                 raise from_rpc_error(exc, f"leader {name}") from None
         raise AssertionError("unreachable: the second attempt returns or raises")
 
+    # ------------------------------------------------------------------ presence
+    def may_hold(self, key: BlockHash) -> bool:
+        """False only when the leader's presence filter rules ``key`` out: a lookup starting at
+        it would match nothing (True without a filter)."""
+        view = self._presence
+        return view is None or view.may_hold(key)
+
+    def unasked(self, blocks: int) -> None:
+        """A lookup of ``blocks`` blocks was answered as a miss because :meth:`may_hold` said
+        False; the next ``PrepareLoad`` or ``PrepareStore`` tells the leader (its hit rates)."""
+        self._unasked += blocks
+
+    def _take_unasked(self) -> int:
+        n, self._unasked = min(self._unasked, 0xFFFFFFFF), max(0, self._unasked - 0xFFFFFFFF)
+        return n
+
     # ------------------------------------------------------------------ calls
     def prepare_load(self, hashes: Sequence[BlockHash], count_hit: bool = False,
                      tokens_per_block: int = 0, prefill_tokens_per_s: float = 0.0) -> TransferHandle:
@@ -110,12 +137,14 @@ class LeaderSession:
         lookup; ``prefill_tokens_per_s`` > 0: only as far as loading beats recomputing)."""
         resp = self._call("PrepareLoad", pb.PrepareLoadRequest(hashes=list(hashes), count_hit=count_hit,
                                                               tokens_per_block=tokens_per_block,
-                                                              prefill_tokens_per_s=prefill_tokens_per_s))
+                                                              prefill_tokens_per_s=prefill_tokens_per_s,
+                                                              unasked_blocks=self._take_unasked()))
         return load_handle(resp)
 
     def prepare_store(self, hashes: Sequence[BlockHash]) -> TransferHandle:
         """Plan slots for the entries of ``hashes`` not stored yet (``indices``: which)."""
-        resp = self._call("PrepareStore", pb.PrepareStoreRequest(hashes=list(hashes)))
+        resp = self._call("PrepareStore", pb.PrepareStoreRequest(hashes=list(hashes),
+                                                                unasked_blocks=self._take_unasked()))
         return store_handle(resp)
 
     def release(self, handle: TransferHandle) -> None:

@@ -47,6 +47,10 @@ class SessionCore:
     max_hashes: int = 0
     #: the node's workers as the leader listed them when the session opened
     workers: dict[WorkerId, "pb.WorkerInfo"] = field(default_factory=dict)
+    #: the leader's id, and its presence filter (:mod:`kvbm_client.presence`; "" / 0: none)
+    leader_id: str = ""
+    presence_path: str = ""
+    presence_bits: int = 0
 
     def open_request(self) -> "pb.OpenSessionRequest":
         return pb.OpenSessionRequest(client_name=self.client_name)
@@ -57,6 +61,8 @@ class SessionCore:
         self.ttl_s = resp.ttl_ms / 1000
         self.max_hashes = resp.max_hashes
         self.workers = {WorkerId(w.worker_id): w for w in resp.workers}
+        self.leader_id = resp.leader_id
+        self.presence_path, self.presence_bits = resp.presence_path, resp.presence_bits
 
     @staticmethod
     def open_error(exc: grpc.RpcError, address: str, timeout: float) -> KvbmError:

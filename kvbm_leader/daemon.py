@@ -28,6 +28,7 @@ from kvbm_client.logs import log_loop_stalls, setup_logging
 
 from .cluster import LeaderCluster
 from .metrics import LeaderMetrics
+from .presence import PresenceFilter, remove_stale_files
 from .service import LeaderService, new_leader_id
 from .servicer import LeaderServicer
 
@@ -48,13 +49,31 @@ class LeaderDaemon:
         self.metrics = LeaderMetrics()
         # NATS and etcd when configured; its transports go into the service before anything serves
         self.cluster = LeaderCluster(config, self.node_key, leader_id, self.metrics)
+        self.presence = self._presence(leader_id)
         self.service = LeaderService(config, workers, self.node_key, self.cluster.commands, self.cluster.events,
-                                     self.metrics, leader_id)
+                                     self.metrics, leader_id, self.presence)
         self._server: Any = None  # grpc.aio.Server
         self._ticker: asyncio.Task[None] | None = None
         self._stall_watch: asyncio.Task[None] | None = None
         self._started = False
         self._closed = False
+
+    def _presence(self, leader_id: str) -> PresenceFilter | None:
+        """The presence filter's file in the socket dir (only the leader's user can map it there),
+        replacing any an earlier leader left; None when disabled or the dir cannot hold it."""
+        bits = self.config.presence_filter_bits
+        if not bits:
+            return None
+        directory = self.config.resolved_socket_dir
+        try:
+            ensure_socket_dir(directory)
+            remove_stale_files(directory)
+            presence = PresenceFilter(directory, bits, leader_id)
+        except (OSError, KvbmConfigError) as exc:
+            log.warning("no presence filter (%s): every lookup is a round trip", exc)
+            return None
+        log.info("presence filter %s (%d bits) for local clients", presence.path, bits)
+        return presence
 
     async def start(self) -> None:
         if self._started:
@@ -119,6 +138,8 @@ class LeaderDaemon:
         self.metrics.close()
         await self.cluster.close()
         remove_unix_socket(self.address)
+        if self.presence is not None:
+            self.presence.close()
         log.info("leader stopped")
 
 

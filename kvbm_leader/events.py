@@ -33,6 +33,7 @@ from kvbm_client.bus import NatsBus
 from kvbm_client.ids import BlockHash, Tier
 
 from .metrics import LeaderMetrics
+from .presence import PresenceFilter
 from .registry import BlockRegistry
 
 log = logging.getLogger("kvbm.leader")
@@ -147,14 +148,19 @@ class KvEventFeed:
     unrelated request.
     """
 
-    def __init__(self, events: NullEvents) -> None:
+    def __init__(self, events: NullEvents, presence: PresenceFilter | None = None) -> None:
         self.events = events
+        #: the clients' presence filter: told of every block made matchable or forgotten here
+        self.presence = presence
 
     def flush(self, registry: BlockRegistry) -> None:
         """Announce the blocks forgotten since the last flush."""
         forgotten = registry.take_forgotten()
         if forgotten:
             self.events.removed(forgotten)
+        if self.presence is not None:
+            self.presence.gone(len(forgotten))
+            self.presence.step(registry.parents)
 
     def stored(self, registry: BlockRegistry, ready: list[tuple[BlockHash, Tier]]) -> None:
         """Flush, then announce ``ready`` (blocks a store just made matchable), per tier."""
@@ -167,5 +173,19 @@ class KvEventFeed:
         for tier, blocks in by_tier.items():
             self.events.stored(blocks, tier)
 
+    def planned(self, keys: list[BlockHash]) -> None:
+        """A store plan reserved copies of ``keys``: the presence filter takes them now, before
+        any of them can be matched (a job's copies become ready a slice at a time)."""
+        if self.presence is not None and keys:
+            self.presence.add(keys)
+
+    def restored(self, blocks: list[tuple[BlockHash, BlockHash | None]]) -> None:
+        """``blocks`` (hash, parent) were added to G3, ready, from a persisted index."""
+        if self.presence is not None:
+            self.presence.add([key for key, _ in blocks])
+        self.events.stored(blocks, Tier.DISK)
+
     def cleared(self) -> None:
+        if self.presence is not None:
+            self.presence.clear()
         self.events.cleared()

@@ -75,6 +75,13 @@ class RequestPlanner:
                   ",".join(t.label for t in result.tiers[:8]))
         return result
 
+    def count_unasked(self, blocks: int) -> None:
+        """A client answered lookups of ``blocks`` blocks as misses itself (the presence filter
+        ruled out their first block): they count as looked up, none matched."""
+        if blocks:
+            self.metrics.hits.add(blocks, 0, 0)
+            log.debug("lookups answered by a client's presence filter: %d blocks, none stored", blocks)
+
     def _count_lookup(self, queried: int, result: MatchResult, tokens_per_block: int) -> None:
         host = result.tiers.count(Tier.HOST)
         self.metrics.hits.add(queried, host, result.num_matched - host)
@@ -104,6 +111,7 @@ class RequestPlanner:
         if not await run_sliced(stepper, self.placement):  # its reservations went with the old pools
             return JobPlacement(stepper.plan.job_id, PlanKind.STORE, skipped_full=len(keys)), None
         plan = stepper.plan
+        self.feed.planned(plan.keys)
         await self._require_session(session, plan)
         m = self.metrics
         m.inc("kvbm_offload_skipped_present", plan.skipped_present)

@@ -168,7 +168,7 @@ class G3Restorer:
                 key, parent = found.keys[i], found.parents[i]
                 reg.add_copy_key(key, parent, Tier.DISK, found.slots[i], None)
                 blocks.append((key, parent))
-            self.feed.events.stored(blocks, Tier.DISK)  # just added, all ready: no registry pass
+            self.feed.restored(blocks)  # just added, all ready: no registry pass
         return len(rows)
 
     async def close(self) -> None:

@@ -29,6 +29,7 @@ from .membership import Membership
 from .metrics import LeaderMetrics
 from .onboard_cost import OnboardCosts
 from .placement import PlacementPolicy
+from .presence import PresenceFilter
 from .planner import RequestPlanner
 from .policies.frequency import FrequencyFilter
 from .rebalancer import Rebalancer
@@ -56,11 +57,13 @@ class LeaderService:
         events: where KV events go (``NullEvents`` without NATS).
         metrics: the counters (a fresh set when not given).
         leader_id: this incarnation's id (a fresh one when not given).
+        presence: the presence filter published to the clients (the daemon owns its file).
     """
 
     def __init__(self, config: KvbmConfig, expected_workers: list[WorkerId], node_key: NodeKey,
                  commands: CommandTransport, events: NullEvents | None = None,
-                 metrics: LeaderMetrics | None = None, leader_id: str | None = None) -> None:
+                 metrics: LeaderMetrics | None = None, leader_id: str | None = None,
+                 presence: PresenceFilter | None = None) -> None:
         self.config = config
         self.leader_id = leader_id or new_leader_id()
         self.metrics = metrics or LeaderMetrics()
@@ -77,7 +80,9 @@ class LeaderService:
         self.metrics.track_bandwidth(self.costs.rates)
         self.sessions = SessionTable(SessionLimits(config.session_ttl_secs, config.max_session_ttl_secs,
                                                    config.max_sessions, config.max_name_bytes))
-        self.feed = KvEventFeed(events or NullEvents())
+        #: the clients' presence filter (kvbm_leader/presence.py), kept by the feed; None: none
+        self.presence = presence
+        self.feed = KvEventFeed(events or NullEvents(), presence)
         signer = PlanSigner(self.leader_id, node_key.plan_key(self.leader_id))  # workers derive the same key
         self.ledger = JobLedger(config, self.placement, self.membership, self.metrics, self.feed, signer,
                                 self.costs)
@@ -105,7 +110,9 @@ class LeaderService:
         log.info("session %s opened by %s (TTL %gs)", session.session_id[:8], session.client_name, session.ttl)
         return pb.OpenSessionResponse(session_id=session.session_id, leader_id=self.leader_id,
                                       workers=worker_infos(self.membership), max_hashes=self.config.max_hashes,
-                                      ttl_ms=int(session.ttl * 1000))
+                                      ttl_ms=int(session.ttl * 1000),
+                                      presence_path=self.presence.path if self.presence else "",
+                                      presence_bits=self.presence.bits if self.presence else 0)
 
     async def close_session(self, session_id: SessionId) -> None:
         session = self.sessions.close(session_id)

@@ -122,6 +122,7 @@ class LeaderServicer:
                 parents = list(self._hashes(request.parent_hashes, "parent_hashes"))
                 if len(parents) != len(keys):
                     raise Refused(Why.INVALID, f"{len(parents)} parent_hashes for {len(keys)} hashes")
+            self.service.planner.count_unasked(request.unasked_blocks)
             plan, signed = await self.service.planner.prepare_store(session, keys, parents)
         except Refused as refusal:
             await _abort(context, refusal)
@@ -135,6 +136,7 @@ class LeaderServicer:
         try:
             session = self._session(request.session_id)
             keys = self._hashes(request.hashes)
+            self.service.planner.count_unasked(request.unasked_blocks)
             plan, signed = await self.service.planner.prepare_load(session, keys, request.count_hit,
                                                                    request.tokens_per_block,
                                                                    request.prefill_tokens_per_s)

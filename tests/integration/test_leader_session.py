@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from kvbm_client import KvbmRequestError, KvbmUnavailableError, sequence_hashes
+from kvbm_client.contract import pb
 from kvbm_client.leader_session import LeaderSession
 
 
@@ -58,25 +59,77 @@ def test_unreachable_leader_fails_fast_with_a_clear_error(tmp_path):
     assert time.monotonic() - start < 3
 
 
+def _kill_leader_then_load(node, session: LeaderSession, keys):
+    """SIGKILL the leader, start a new one, then ``prepare_load(keys)`` through ``session`` once
+    the new leader's socket answers."""
+    node.leader.send_signal(signal.SIGKILL)
+    node.leader.wait(10)
+    node.start_leader()
+    node.wait_attached()
+    end = time.monotonic() + 10
+    while True:
+        try:
+            return session.prepare_load(keys)
+        except KvbmUnavailableError:  # the socket is not back yet
+            if time.monotonic() > end:
+                raise
+            time.sleep(0.1)
+
+
 def test_session_is_reopened_after_a_leader_restart(make_node):
     node = make_node()
     client, _ = node.ready_client()
     session = LeaderSession(node.leader_address, timeout=5)
     first = session.session_id
-    node.leader.send_signal(signal.SIGKILL)
-    node.leader.wait(10)
-    node.start_leader()
-    node.wait_attached()
     # The new leader knows neither the session nor the blocks: an empty answer, no error.
-    end = time.monotonic() + 10
-    while True:
-        try:
-            handle = session.prepare_load(hashes(2))
-            break
-        except KvbmUnavailableError:  # the socket is not back yet
-            if time.monotonic() > end:
-                raise
-            time.sleep(0.1)
+    handle = _kill_leader_then_load(node, session, hashes(2))
     assert handle.is_empty
     assert session.session_id != first
+    session.close()
+
+
+def _host_hit_rate(node) -> float:
+    """G2's hit rate in the leader's status: blocks found in G2 over blocks looked up."""
+    (g2,) = [t for t in node.status().tiers if t.tier == pb.TIER_HOST]
+    return g2.hit_rate
+
+
+def test_the_presence_filter_rules_out_what_the_leader_does_not_hold_and_never_what_it_does(make_node):
+    node = make_node()
+    client, _ = node.ready_client()
+    (path,) = node.socket_dir.glob("presence-*.bits")
+    assert path.stat().st_mode & 0o777 == 0o600, "only the leader's user maps it"
+    keys, others = hashes(6), hashes(200, seed=5)
+    with LeaderSession(node.leader_address, timeout=5) as session:
+        assert not any(session.may_hold(k) for k in keys), "nothing stored: every first block ruled out"
+        store = session.prepare_store(keys)
+        assert all(session.may_hold(k) for k in keys), "planned blocks are in the filter before they can match"
+        client.start(store, [0, 1, 2, 3, 4, 5])
+        client.wait(store)
+        assert all(session.may_hold(k) for k in keys)
+        assert sum(session.may_hold(k) for k in others) == 0, "200 unknown blocks, 12 of 2^24 bits set"
+        # the leader counts the lookups the client answered itself: 6 asked and matched, then 6
+        # answered by the filter, told with the next call
+        session.prepare_load(keys, count_hit=True, tokens_per_block=16)
+        assert abs(_host_hit_rate(node) - 1.0) < 1e-9
+        session.unasked(6)
+        session.release(session.prepare_load(keys, count_hit=True, tokens_per_block=16))
+        assert abs(_host_hit_rate(node) - 12 / 18) < 1e-9
+    node.stop()
+    assert not path.exists(), "the leader removes its filter when it stops"
+
+
+def test_a_restarted_leader_publishes_a_new_filter_and_the_session_follows_it(make_node):
+    node = make_node()
+    client, _ = node.ready_client()
+    keys = hashes(4)
+    client.wait(client.offload(keys, [0, 1, 2, 3]))
+    session = LeaderSession(node.leader_address, timeout=5)
+    assert all(session.may_hold(k) for k in keys)
+    (old,) = node.socket_dir.glob("presence-*.bits")
+    # no clean stop (the file stays behind); the load re-opens the session with the new leader
+    assert _kill_leader_then_load(node, session, keys).is_empty
+    (new,) = node.socket_dir.glob("presence-*.bits")
+    assert new != old and not old.exists(), "the new leader removed the old filter"
+    assert not any(session.may_hold(k) for k in keys), "the new leader holds none of them"
     session.close()

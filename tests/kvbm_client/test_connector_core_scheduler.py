@@ -27,6 +27,8 @@ class FakeLeader:
         self.down = False
         self.deadline = 0.0  # of the plans it signs (0: none)
         self._jobs = itertools.count(1)
+        self.presence: set[bytes] | None = None  # a presence filter's "maybe" keys (None: no filter)
+        self.unasked_blocks = 0
 
     def _handle(self, kind: PlanKind, indices: list[int]) -> TransferHandle:
         if not indices:
@@ -49,6 +51,12 @@ class FakeLeader:
         new = [i for i, h in enumerate(hashes) if h not in self.stored]
         self.stored.update(hashes[i] for i in new)
         return self._handle(PlanKind.STORE, new)
+
+    def may_hold(self, key):
+        return self.presence is None or key in self.presence
+
+    def unasked(self, blocks):
+        self.unasked_blocks += blocks
 
     def release(self, handle):
         self.released.append(handle)
@@ -350,3 +358,35 @@ def test_a_second_turn_asks_the_leader_with_the_keys_a_fresh_identity_gives(tmp_
     other = make(FakeLeader())  # another scheduler role: its own cache, nothing to reuse
     other.lookup(Request("t3", list(turn2.all_token_ids)), 0)
     assert json.loads(path.read_text().splitlines()[-1])["reused"] == 0
+
+
+def test_a_lookup_whose_first_block_the_presence_filter_rules_out_is_a_miss_without_a_round_trip():
+    leader = FakeLeader()
+    run_prefill(make(leader), Request("x", list(range(21))), [0, 1, 2, 3, 4, 5])
+    stored = set(leader.stored)
+    leader.presence = set(stored)  # the filter holds what the leader holds
+    core = make(leader)
+    calls = len(leader.calls)
+    cold = Request("cold", list(range(500, 521)))
+    assert core.lookup(cold, 0) == (0, False)
+    assert leader.calls[calls:] == [], "a ruled-out first block costs no PrepareLoad"
+    assert leader.unasked_blocks == 5, "the leader is told the 5 blocks looked up (for its hit rates)"
+    assert core.lookup(cold, 0) == (0, False) and leader.unasked_blocks == 5, "asked again: the same miss"
+    # the first block asked for is the one after the local prefix: a stored prefix that the
+    # filter admits goes to the leader, as without a filter
+    warm = Request("warm", list(range(21)))
+    assert core.lookup(warm, 1 * BS) == (4 * BS, False)
+    assert leader.names()[calls:] == ["prepare_load"]
+
+
+def test_a_filter_that_rules_out_a_stored_first_block_only_costs_the_hit():
+    leader = FakeLeader()
+    run_prefill(make(leader), Request("x", list(range(21))), [0, 1, 2, 3, 4, 5])
+    leader.presence = set()  # (a reader racing a store: never more than a miss)
+    core = make(leader)
+    req = Request("y", list(range(21)))
+    assert core.lookup(req, 0) == (0, False)
+    core.allocated("y", [0, 1, 2, 3, 4, 5], 0)
+    core.assign_blocks("y", [0, 1, 2, 3, 4, 5], replace=True)
+    plan = core.step({"y": 21})
+    assert plan.loads == [] and not leader.released

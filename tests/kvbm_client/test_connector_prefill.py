@@ -48,6 +48,12 @@ class Leader:
     def prepare_store(self, hashes):
         return None
 
+    def may_hold(self, key):
+        return True  # (no presence filter: every lookup asks)
+
+    def unasked(self, blocks):
+        pass
+
     def release(self, handle) -> None:
         pass
 

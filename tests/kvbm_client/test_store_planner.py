@@ -56,6 +56,12 @@ class GatedLeader:
         signed = pb.SignedPlan(plan=f"store-{job}".encode(), signature=b"sig")
         return TransferHandle(PlanKind.STORE, JobId(job), len(new), tuple(new), signed=signed)
 
+    def may_hold(self, key):
+        return True  # (no presence filter: every lookup asks)
+
+    def unasked(self, blocks):
+        pass
+
     def release(self, handle):
         self.released.append(handle)
 

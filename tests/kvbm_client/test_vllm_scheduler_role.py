@@ -36,6 +36,12 @@ class FakeLeader:
         self.calls.append(("prepare_store", (hashes,)))
         return None
 
+    def may_hold(self, key):
+        return True  # (no presence filter: every lookup asks)
+
+    def unasked(self, blocks):
+        pass
+
     def release(self, handle):
         self.calls.append(("release", (handle,)))
 

@@ -185,6 +185,12 @@ class FakeLeader:
         return SimpleNamespace(is_empty=False, indices=list(range(len(hashes))), deadline=time.monotonic() + 30,
                                signed=SimpleNamespace(plan=b"p", signature=b"s"))
 
+    def may_hold(self, key):
+        return True  # (no presence filter: every lookup asks)
+
+    def unasked(self, blocks):
+        pass
+
     def release(self, handle):
         pass
 

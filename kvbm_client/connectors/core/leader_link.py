@@ -29,6 +29,15 @@ class LeaderPort(Protocol):
 
     def release(self, handle: TransferHandle) -> None: ...
 
+    def may_hold(self, key: BlockHash) -> bool:
+        """False only when the leader's presence filter rules ``key`` out (see
+        :mod:`kvbm_client.presence`): a lookup starting at it would match nothing."""
+        ...
+
+    def unasked(self, blocks: int) -> None:
+        """A lookup of ``blocks`` blocks was answered as a miss on :meth:`may_hold`'s word."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -75,6 +84,16 @@ class LeaderLink:
             session.release(handle)
         except KvbmError as exc:
             self._failed("release", exc)
+
+    def may_hold(self, key: BlockHash) -> bool:
+        if not self._settings.presence_filter:
+            return True
+        session = self._connected()
+        return session is None or session.may_hold(key)  # (no session: prepare_load answers None)
+
+    def unasked(self, blocks: int) -> None:
+        if self._session is not None:
+            self._session.unasked(blocks)
 
     def close(self) -> None:
         session, self._session = self._session, None

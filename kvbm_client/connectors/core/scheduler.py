@@ -6,7 +6,9 @@ adapter translates its hooks into these calls, in this order per request:
 
 1. :meth:`SchedulerCore.lookup` (vLLM ``get_num_new_matched_tokens``): the first time, one
    ``PrepareLoad`` that matches, counts the hit and pins the stored prefix after the
-   engine's own (local) prefix; returns ``(tokens to load, asynchronous)``. Asked again
+   engine's own (local) prefix; returns ``(tokens to load, asynchronous)``. When the leader's
+   presence filter rules out the first block asked for, it is a miss without a round trip
+   (the leader is told with the next call, for its hit rates). Asked again
    while the request waits, it answers the same without a round trip as long as the
    engine's own prefix is the same length and the plan is not past its deadline; else it
    releases the plan and plans again (the engine counts the loaded tokens after the local
@@ -173,6 +175,16 @@ class SchedulerCore:
         # (and vLLM's CPU kernels crash, SIGILL, on a prompt that arrives whole).
         last = min(len(keys), (num_tokens - 1) // self.block_size)
         if first >= last or state.load_sent:
+            return 0, False
+        if not self._leader.may_hold(keys[first]):  # a prefix match: nothing, without a round trip
+            self._leader.unasked(last - first)
+            state.miss_at = (num_computed_tokens, num_tokens)
+            log.debug("kvbm miss %s: %d blocks after %d local, none stored (presence filter)", request.request_id,
+                      last - first, first)
+            if tracing():
+                trace("prepare_load", req=request.request_id, asked=last - first, planned=0, ms=0.0,
+                      hash_ms=round((t1 - t0) * 1e3, 3), reused=state.identity.reused if state.identity else 0,
+                      unasked=True)
             return 0, False
         rate = self.prefill.tokens_per_s if self.settings.cost_aware_loads else 0.0
         handle = self._leader.prepare_load(keys[first:last], count_hit=True, tokens_per_block=self.block_size,

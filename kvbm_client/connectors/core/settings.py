@@ -126,6 +126,9 @@ class ConnectorSettings:
     #: vLLM on a GPU: ask for one cross-layer KV buffer (a block is one contiguous run, the
     #: fastest copies); false: vLLM's per-layer tensors (each block's slice per layer one page)
     cross_layer_blocks: bool = True
+    #: answer a lookup whose first block the leader's presence filter rules out as a miss,
+    #: without a round trip (:mod:`kvbm_client.presence`); false: every lookup asks the leader
+    presence_filter: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "load_mode", _load_mode(self.load_mode))
@@ -159,7 +162,8 @@ class ConnectorSettings:
                    async_store_plans=_flag("async_store_plans", extra.get("async_store_plans", True)),
                    async_store_min_blocks=_int("async_store_min_blocks", extra.get("async_store_min_blocks",
                                                                        DEFAULT_ASYNC_STORE_MIN_BLOCKS)),
-                   cross_layer_blocks=_flag("cross_layer_blocks", extra.get("cross_layer_blocks", True)))
+                   cross_layer_blocks=_flag("cross_layer_blocks", extra.get("cross_layer_blocks", True)),
+                   presence_filter=_flag("presence_filter", extra.get("presence_filter", True)))
 
     @property
     def sync_loads(self) -> bool:

@@ -136,18 +136,22 @@ class WorkerInfo(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., rank: _Optional[int] = ..., endpoint: _Optional[str] = ..., state: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., host_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., alloc_progress: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
-    __slots__ = ("session_id", "leader_id", "workers", "max_hashes", "ttl_ms")
+    __slots__ = ("session_id", "leader_id", "workers", "max_hashes", "ttl_ms", "presence_path", "presence_bits")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LEADER_ID_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     MAX_HASHES_FIELD_NUMBER: _ClassVar[int]
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PATH_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_BITS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     leader_id: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
     max_hashes: int
     ttl_ms: int
-    def __init__(self, session_id: _Optional[str] = ..., leader_id: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., max_hashes: _Optional[int] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+    presence_path: str
+    presence_bits: int
+    def __init__(self, session_id: _Optional[str] = ..., leader_id: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., max_hashes: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., presence_path: _Optional[str] = ..., presence_bits: _Optional[int] = ...) -> None: ...
 
 class KeepAliveRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -192,14 +196,16 @@ class MatchResponse(_message.Message):
     def __init__(self, num_matched: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
 
 class PrepareStoreRequest(_message.Message):
-    __slots__ = ("session_id", "hashes", "parent_hashes")
+    __slots__ = ("session_id", "hashes", "parent_hashes", "unasked_blocks")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
     PARENT_HASHES_FIELD_NUMBER: _ClassVar[int]
+    UNASKED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     hashes: _containers.RepeatedScalarFieldContainer[bytes]
     parent_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, session_id: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., parent_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    unasked_blocks: int
+    def __init__(self, session_id: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., parent_hashes: _Optional[_Iterable[bytes]] = ..., unasked_blocks: _Optional[int] = ...) -> None: ...
 
 class PrepareStoreResponse(_message.Message):
     __slots__ = ("plan", "indices", "skipped_present", "skipped_full")
@@ -214,18 +220,20 @@ class PrepareStoreResponse(_message.Message):
     def __init__(self, plan: _Optional[_Union[SignedPlan, _Mapping]] = ..., indices: _Optional[_Iterable[int]] = ..., skipped_present: _Optional[int] = ..., skipped_full: _Optional[int] = ...) -> None: ...
 
 class PrepareLoadRequest(_message.Message):
-    __slots__ = ("session_id", "hashes", "count_hit", "tokens_per_block", "prefill_tokens_per_s")
+    __slots__ = ("session_id", "hashes", "count_hit", "tokens_per_block", "prefill_tokens_per_s", "unasked_blocks")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
     COUNT_HIT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    UNASKED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     hashes: _containers.RepeatedScalarFieldContainer[bytes]
     count_hit: bool
     tokens_per_block: int
     prefill_tokens_per_s: float
-    def __init__(self, session_id: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., count_hit: _Optional[bool] = ..., tokens_per_block: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ...) -> None: ...
+    unasked_blocks: int
+    def __init__(self, session_id: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., count_hit: _Optional[bool] = ..., tokens_per_block: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., unasked_blocks: _Optional[int] = ...) -> None: ...
 
 class PrepareLoadResponse(_message.Message):
     __slots__ = ("plan", "num_planned", "num_skipped")

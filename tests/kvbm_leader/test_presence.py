@@ -1,0 +1,130 @@
+"""The leader's presence filter (``kvbm_leader.presence``) and its clients' read-only view
+(``kvbm_client.presence``): never "no" for a block the leader holds; gone blocks cleared by
+rebuilds; a view maps only the announcing leader's file."""
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+
+from kvbm_client.presence import HEADER_BYTES, MIN_BITS, PresenceView, check_bits
+from kvbm_leader import presence as presence_mod
+from kvbm_leader.events import KvEventFeed, NullEvents
+from kvbm_leader.presence import PresenceFilter, remove_stale_files
+from kvbm_leader.registry import BlockRegistry
+from kvbm_client.ids import BlockHash, JobId, Tier
+
+LEADER = "leader-0123456789ab"
+
+
+def key(i: int) -> BlockHash:
+    return BlockHash(hashlib.blake2b(i.to_bytes(8, "little"), digest_size=16).digest())
+
+
+@pytest.fixture
+def pf(tmp_path):
+    f = PresenceFilter(str(tmp_path), MIN_BITS, LEADER)
+    yield f
+    f.close()
+
+
+def test_added_blocks_are_seen_by_a_reader_and_others_mostly_not(pf):
+    view = PresenceView.open(pf.path, MIN_BITS, LEADER)
+    assert view is not None
+    held = [key(i) for i in range(500)]
+    pf.add(held)
+    assert all(view.may_hold(k) for k in held), "never 'no' for a held block"
+    false = sum(view.may_hold(key(i)) for i in range(10_000, 20_000))
+    assert false < 300, f"{false} false 'maybe' of 10000 (expected ~2 % at 500 keys in 65536 bits)"
+    short = BlockHash(b"\x01\x02\x03")  # a key shorter than 16 bytes is hashed first
+    pf.add([short])
+    assert view.may_hold(short)
+    view.close()
+
+
+def test_gone_blocks_are_cleared_by_a_rebuild_in_slices_and_the_live_ones_stay_set_throughout(pf, monkeypatch):
+    monkeypatch.setattr(presence_mod, "REBUILD_SLICE", 100)
+    monkeypatch.setattr(presence_mod, "MIN_STALE", 10)
+    view = PresenceView.open(pf.path, MIN_BITS, LEADER)
+    live = {key(i): None for i in range(300)}
+    gone = [key(i) for i in range(1000, 1400)]
+    pf.add(list(live))
+    pf.add(gone)
+    assert all(view.may_hold(k) for k in gone)
+    pf.gone(len(gone))
+    pf.step(live)  # starts: 400 stale >= max(10, 300 live); first slice
+    added_meanwhile = [key(i) for i in range(5000, 5010)]
+    pf.add(added_meanwhile)
+    steps = 1
+    while pf.rebuilds == 0:
+        assert all(view.may_hold(k) for k in live), "a live block reads set during the rebuild"
+        pf.step(live)
+        steps += 1
+    assert steps == 3, "300 blocks in slices of 100"
+    assert all(view.may_hold(k) for k in live) and all(view.may_hold(k) for k in added_meanwhile)
+    assert sum(view.may_hold(k) for k in gone) < 20, "the gone blocks' bits are cleared"
+    pf.step(live)
+    assert pf.rebuilds == 1, "no rebuild without stale blocks"
+    view.close()
+
+
+def test_clear_zeroes_the_bits(pf):
+    pf.add([key(i) for i in range(100)])
+    pf.clear()
+    view = PresenceView.open(pf.path, MIN_BITS, LEADER)
+    assert not any(view.may_hold(key(i)) for i in range(100))
+    view.close()
+
+
+def test_a_view_maps_only_the_announced_leaders_file_of_the_announced_size(pf, tmp_path):
+    assert PresenceView.open(pf.path, MIN_BITS, "leader-other") is None, "another leader's filter"
+    assert PresenceView.open(pf.path, MIN_BITS * 2, LEADER) is None, "another size"
+    assert PresenceView.open(str(tmp_path / "missing.bits"), MIN_BITS, LEADER) is None
+    assert PresenceView.open("", MIN_BITS, LEADER) is None
+    link = tmp_path / "link.bits"
+    link.symlink_to(pf.path)
+    assert PresenceView.open(str(link), MIN_BITS, LEADER) is None, "a symlink is not followed"
+    forged = tmp_path / "forged.bits"
+    forged.write_bytes(b"\0" * (HEADER_BYTES + MIN_BITS // 8))
+    assert PresenceView.open(str(forged), MIN_BITS, LEADER) is None, "no header: not a filter"
+    assert os.stat(pf.path).st_mode & 0o777 == 0o600
+
+
+def test_the_file_goes_with_close_and_stale_ones_with_the_next_leader(tmp_path):
+    f = PresenceFilter(str(tmp_path), MIN_BITS, LEADER)
+    with pytest.raises(FileExistsError):
+        PresenceFilter(str(tmp_path), MIN_BITS, LEADER)
+    path = f.path
+    f.close()
+    f.close()
+    assert not os.path.exists(path)
+    left = PresenceFilter(str(tmp_path), MIN_BITS, "leader-crashed")._mm  # never closed: a crash
+    (tmp_path / "other.sock").touch()
+    remove_stale_files(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.sock"]
+    left.close()
+
+
+@pytest.mark.parametrize("bits", [0, MIN_BITS - 1, MIN_BITS + 1, 3 << 20])
+def test_bits_must_be_a_power_of_two_in_range(bits):
+    with pytest.raises(ValueError, match="power of two"):
+        check_bits(bits)
+
+
+def test_the_feed_adds_planned_blocks_counts_forgotten_ones_and_clears(pf):
+    reg = BlockRegistry({Tier.HOST: 8})
+    feed = KvEventFeed(NullEvents(), pf)
+    a, b = key(1), key(2)
+    feed.planned([a, b])
+    assert pf.may_hold(a) and pf.may_hold(b)
+    slot = reg.pools[Tier.HOST].allocator.allocate()
+    assert slot is not None
+    reg.add_copy_key(a, None, Tier.HOST, slot, JobId(1))
+    reg.drop_copy_key(a, Tier.HOST)  # rolled back: forgotten
+    feed.flush(reg)
+    assert pf.stale == 1
+    feed.restored([(key(3), None)])
+    assert pf.may_hold(key(3))
+    feed.cleared()
+    assert not pf.may_hold(b) and not pf.may_hold(key(3)) and pf.stale == 0
