@@ -3,8 +3,15 @@ stored prefix, as the scheduler role sends it for every new request, timed from 
 side, for one or more source trees in alternating passes; or (``--op store``) one
 ``PrepareStore`` of new blocks, as the scheduler role sends it in each step of a cold prefill.
 
-    python3 benchmarks/lookup_latency.py [--op load|store] [--blocks 1258] [--reps 200] [--passes 3]
+    python3 benchmarks/lookup_latency.py [--op load|store|miss] [--blocks 1258] [--reps 200] [--passes 3]
                                          [--src DIR ...] [--json out.json]
+
+``--op miss``: a cold request's lookup, ``--blocks`` keys never stored (a fresh salt each time)
+while the node holds ``--blocks`` others, two ways in alternating requests: ``asked``, the
+``PrepareLoad`` round trip that answers "nothing" (every lookup before the twelfth session), and
+``filter``, the connector's check of the first key against the leader's presence filter (what
+the scheduler role does now; the leader is told with the next call, untimed). Both report the
+same miss; the "maybe" answers of the filter for those fresh keys are counted.
 
 ``--op store``: each timed ``PrepareStore`` offers ``--blocks`` keys never seen before (1024: the
 first step of a 20K-token cold prefill under vLLM's 16384-token step budget) and is then released
@@ -66,6 +73,8 @@ def one_pass(src: Path, blocks: int, reps: int, op: str = "load") -> list[float]
                 if op == "store":
                     return store_samples(session, blocks, reps)
                 client.wait(client.offload(keys, list(range(blocks))))
+                if op in ("miss", "miss_filter"):
+                    return miss_samples(session, blocks, reps, op == "miss_filter")
                 samples = []
                 for i in range(reps + 10):  # the first 10 warm up and are dropped
                     t = time.perf_counter()
@@ -101,6 +110,38 @@ def store_samples(session: LeaderSession, blocks: int, reps: int) -> list[float]
     return samples
 
 
+#: the filter's "maybe" answers for keys that are not stored, counted by miss_samples
+FALSE_MAYBE: list[int] = []
+
+
+def miss_samples(session: LeaderSession, blocks: int, reps: int, filtered: bool) -> list[float]:
+    """Cold lookups (ms) of ``blocks`` keys never stored: the round trip, or (``filtered``) the
+    presence filter's check of the first key, as the scheduler role makes it."""
+    samples = []
+    maybe = 0
+    try:
+        for i in range(reps + 10):  # the first 10 warm up and are dropped
+            keys = sequence_hashes(list(range(blocks * 16)), 16, salt=1_000_000 + i)
+            t = time.perf_counter()
+            if filtered:
+                hit = session.may_hold(keys[0])
+                if not hit:
+                    session.unasked(blocks)
+            else:
+                hit = not session.prepare_load(keys, count_hit=True, tokens_per_block=16).is_empty
+            ms = (time.perf_counter() - t) * 1e3
+            if filtered and hit:
+                maybe += 1
+            elif hit:
+                raise AssertionError("a key never stored matched")
+            if i >= 10:
+                samples.append(ms)
+        FALSE_MAYBE.append(maybe)
+    finally:
+        session.close()
+    return samples
+
+
 def client_side_ms(blocks: int, reps: int = 200) -> float:
     """What the client spends per lookup without the round trip: the request built and
     serialized, an answer of ``blocks`` entries parsed (median ms)."""
@@ -117,10 +158,16 @@ def client_side_ms(blocks: int, reps: int = 200) -> float:
     return statistics.median(out)
 
 
+def label(src: Path, op: str) -> str:
+    """A result row's name: the source, and how a miss was answered (``--op miss``)."""
+    return {"miss": f"{src} asked", "miss_filter": f"{src} filter"}.get(op, str(src))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--op", choices=("load", "store"), default="load",
-                    help="time PrepareLoad of a stored prefix (load) or PrepareStore of new blocks (store) [load]")
+    ap.add_argument("--op", choices=("load", "store", "miss"), default="load",
+                    help="time PrepareLoad of a stored prefix (load), PrepareStore of new blocks (store), or a "
+                         "cold lookup asked and answered by the presence filter (miss) [load]")
     ap.add_argument("--blocks", type=int, default=1258, help="blocks of the stored prefix (store: of each "
                                                             "request) [1258: 20K tokens]")
     ap.add_argument("--reps", type=int, default=200, help="timed lookups per pass [200]")
@@ -131,13 +178,15 @@ def main() -> int:
     args = ap.parse_args()
     record = provenance()
     srcs = [Path(s).resolve() for s in args.src] or [REPO]
-    per: dict[str, list[list[float]]] = {str(s): [] for s in srcs}
+    # --op miss: each source twice per pass, asked then filtered (then the other way round)
+    runs = [(src, op) for src in srcs for op in (("miss", "miss_filter") if args.op == "miss" else (args.op,))]
+    per: dict[str, list[list[float]]] = {label(src, op): [] for src, op in runs}
     for p in range(args.passes):
-        for src in srcs:
-            samples = one_pass(src, args.blocks, args.reps, args.op)
-            per[str(src)].append(samples)
+        for src, op in (runs if p % 2 == 0 else runs[::-1]):
+            samples = one_pass(src, args.blocks, args.reps, op)
+            per[label(src, op)].append(samples)
             q = statistics.quantiles(samples, n=10)
-            print(f"pass {p} {src}: p50 {statistics.median(samples):.2f} ms p90 {q[8]:.2f} ms", flush=True)
+            print(f"pass {p} {label(src, op)}: p50 {statistics.median(samples):.3f} ms p90 {q[8]:.3f} ms", flush=True)
     rows = []
     for src, passes in per.items():
         p50s = [statistics.median(s) for s in passes]
@@ -149,9 +198,13 @@ def main() -> int:
     client = client_side_ms(args.blocks) if args.op == "load" else None
     if client is not None:
         print(f"client side alone (request built, answer read): {client:.3f} ms")
+    if FALSE_MAYBE:
+        print(f"presence filter: 'maybe' for {sum(FALSE_MAYBE)} of {len(FALSE_MAYBE) * (args.reps + 10)} keys never stored")
     if args.json:
         Path(args.json).write_text(json.dumps({"provenance": record, "op": args.op, "blocks": args.blocks, "reps": args.reps,
-                                               "rows": rows, "client_side_ms": round(client, 3) if client is not None else None}, indent=1) + "\n")
+                                               "rows": rows, "client_side_ms": round(client, 3) if client is not None else None,
+                                               "filter_false_maybe": sum(FALSE_MAYBE) if FALSE_MAYBE else None},
+                                              indent=1) + "\n")
     return 0
 
 

@@ -163,6 +163,27 @@ class BlockIdentity:
             self.keys.append(BlockHash(digest()))
         return self.keys
 
+    def probe(self, tokens: Sequence[int], index: int) -> BlockHash | None:
+        """The key of block ``index`` of ``tokens`` without absorbing anything (the identity is
+        left as it was, so a later :meth:`update` may still start from a cached identity); None
+        when ``tokens`` has no such full block or the request has multimodal inputs (their
+        records need the state's progress through the inputs: use :meth:`update`).
+
+        Raises:
+            OverflowError: a token id is negative or does not fit 32 bits.
+        """
+        if index < len(self.keys):
+            return self.keys[index]
+        end = (index + 1) * self.block_size
+        if self._multimodal or len(tokens) < end:
+            return None
+        ids = array("I", tokens[len(self.keys) * self.block_size:end])
+        if sys.byteorder == "big":
+            ids.byteswap()
+        state = self._state.copy()
+        state.update(memoryview(ids).cast("B"))  # (the blocks' bytes one after another: the same
+        return BlockHash(state.digest())          # stream as one update per block)
+
     def _multimodal_record(self, first: int) -> bytes:
         """The multimodal inputs overlapping tokens ``[first, first + block_size)``: count,
         then per input its hash, its offset relative to ``first`` and its length."""

@@ -1,7 +1,8 @@
 """benchmarks/lookup_latency.py against a real node (leader + CPU worker as child processes, gRPC
-over unix sockets), tiny sizes: both operations return one timed round trip per rep, and the
-store operation's every request is planned whole (its own assertion: a pool too small for the
-slots that released stores keep until their jobs expire fails it)."""
+over unix sockets), tiny sizes: every operation returns one timed sample per rep, the store
+operation's every request is planned whole (its own assertion: a pool too small for the slots
+that released stores keep until their jobs expire fails it), and a miss never matches (its own
+assertion), asked or answered by the presence filter."""
 from __future__ import annotations
 
 import sys
@@ -14,8 +15,14 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import lookup_latency  # noqa: E402
 
 
-@pytest.mark.parametrize("op", ["load", "store"])
+@pytest.mark.parametrize("op", ["load", "store", "miss", "miss_filter"])
 def test_one_pass_times_every_rep(op: str) -> None:
     samples = lookup_latency.one_pass(REPO, blocks=16, reps=5, op=op)
     assert len(samples) == 5
     assert all(0 < ms < 5000 for ms in samples)
+
+
+def test_the_filter_answers_fresh_keys_as_misses_in_the_client() -> None:
+    lookup_latency.FALSE_MAYBE.clear()
+    lookup_latency.one_pass(REPO, blocks=16, reps=20, op="miss_filter")
+    assert lookup_latency.FALSE_MAYBE == [0], "30 fresh keys against 32 of 2^24 bits: no false 'maybe'"

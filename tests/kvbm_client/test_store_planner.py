@@ -259,3 +259,81 @@ def test_stores_of_a_step_whose_load_failed_are_dropped_when_they_ship_a_step_la
     role.bind(StepPlan(earlier_stores=[StoreSpec(b"n1", b"sig", [4], ["a"])]))  # N+2
     assert [p for p in link.sent if p != b"bad"] == [b"n1"]
     role.shutdown()
+
+
+class FilteredLeader(GatedLeader):
+    """A leader whose presence filter holds exactly what it stored; counts the lookups it
+    answered and those the client answered itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loads: list[int] = []
+        self.unasked_blocks = 0
+
+    def prepare_load(self, hashes, count_hit=False, tokens_per_block=0, prefill_tokens_per_s=0.0):
+        self.loads.append(len(hashes))
+        n = next((i for i, h in enumerate(hashes) if h not in self.stored), len(hashes))
+        if not n:
+            return TransferHandle(PlanKind.LOAD, None, 0)
+        signed = pb.SignedPlan(plan=b"load", signature=b"sig")
+        return TransferHandle(PlanKind.LOAD, JobId(next(self._jobs)), n, tuple(range(n)), signed=signed)
+
+    def may_hold(self, key):
+        return key in self.stored
+
+    def unasked(self, blocks):
+        self.unasked_blocks += blocks
+
+
+def test_a_cold_requests_blocks_are_hashed_on_the_planners_thread_not_at_its_lookup(monkeypatch):
+    from kvbm_client.hashing import BlockIdentity
+    hashed_on: list[tuple[str, int]] = []
+    update = BlockIdentity.update
+
+    def recording(self, tokens):
+        before = len(self.keys)
+        out = update(self, tokens)
+        if len(out) > before:
+            hashed_on.append((threading.current_thread().name, len(out) - before))
+        return out
+
+    monkeypatch.setattr(BlockIdentity, "update", recording)
+    leader = FilteredLeader()
+    core = make(leader)
+    a = Request("a", list(range(41)))  # 10 full blocks
+    start(core, a, list(range(11)))
+    assert leader.loads == [] and leader.unasked_blocks == 10, "ruled out by the filter: no PrepareLoad"
+    assert hashed_on == [], "the lookup hashed nothing into the request's identity (one block probed)"
+    core.step({"a": 41})
+    spec = core.step({"a": 41}).earlier_stores[0]
+    assert hashed_on == [("kvbm-store-plan_0", 10)], "the step's 10 blocks were hashed on the planner's thread"
+    assert spec.engine_blocks == list(range(10))
+    fresh = BlockIdentity("model|float16|4", BS).update(a.all_token_ids)
+    assert leader.stored == set(fresh), "the keys a fresh identity gives"
+    core.shutdown()
+
+
+def test_a_next_turn_the_filter_admits_still_starts_from_the_last_turns_keys():
+    leader = FilteredLeader()
+    core = make(leader)
+    a = Request("a", list(range(41)))
+    start(core, a, list(range(11)))
+    core.step({"a": 41})
+    core.step({"a": 41})
+    core.finished("a")
+    b = Request("b", list(range(41)) + [7] * 8)  # the next turn: the whole last prompt, then more
+    assert core.lookup(b, 0) == (10 * BS, False), "stored: asked and matched"
+    assert leader.loads == [12], "its 12 blocks before the last token"
+    assert core._reqs[RequestId("b")].identity.reused == 10, "the probe did not keep it from adopting turn 1's keys"
+    core.shutdown()
+
+
+def test_a_big_steps_request_that_turns_out_unkeyable_stores_nothing():
+    leader = GatedLeader()
+    core = make(leader)
+    a = Request("a", list(range(8)) + [1 << 40] + list(range(3)))  # a token id beyond 32 bits in block 2
+    start(core, a, [1, 2, 3])
+    core.step({"a": 12})
+    plan = core.step({"a": 12})
+    assert plan.earlier_stores == [] and leader.stored == set()
+    core.shutdown()

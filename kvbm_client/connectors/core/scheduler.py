@@ -43,10 +43,11 @@ stores into skips (see :mod:`.leader_link`).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping, Protocol, Sequence
+from typing import Callable, Iterable, Mapping, NamedTuple, Protocol, Sequence
 
 from ...handles import TransferHandle
 from ...hashing import BlockIdentity, IdentityCache, RequestExtras
@@ -95,16 +96,43 @@ class RequestState:
     has_stores: bool = False
     miss_at: tuple[int, int] | None = None  # (computed, tokens) of the last lookup that missed
 
-    def keys(self) -> list[BlockHash]:
-        """kvbm keys of the request's full blocks so far (hashed once per block)."""
+    def keys(self, tokens: Sequence[int] | None = None) -> list[BlockHash]:
+        """kvbm keys of the full blocks of ``tokens`` (default: the request's tokens so far),
+        hashed once per block. Called under the core's hashing lock."""
         if self.identity is None:
             return []
         try:
-            return self.identity.update(self.request.all_token_ids)
+            return self.identity.update(self.request.all_token_ids if tokens is None else tokens)
         except OverflowError:  # a token id beyond 32 bits: not an identity we can vouch for
-            log.warning("kvbm: request %s has token ids beyond 32 bits; not cached", self.request.request_id)
-            self.identity = None
+            self._unhashable()
             return []
+
+    def probe(self, index: int) -> BlockHash | None:
+        """The key of block ``index``, hashing nothing into the identity (None: not a full block,
+        or only :meth:`keys` can tell). Called under the core's hashing lock."""
+        if self.identity is None:
+            return None
+        try:
+            return self.identity.probe(self.request.all_token_ids, index)
+        except OverflowError:
+            self._unhashable()
+            return None
+
+    def hashable_blocks(self) -> int:
+        """Full blocks :meth:`keys` would key now (0 for a request kvbm does not key)."""
+        return len(self.request.all_token_ids) // self.identity.block_size if self.identity is not None else 0
+
+    def _unhashable(self) -> None:
+        log.warning("kvbm: request %s has token ids beyond 32 bits; not cached", self.request.request_id)
+        self.identity = None
+
+
+class _Span(NamedTuple):
+    """A step's new full blocks of one request: its blocks ``start`` to the end of ``tokens``."""
+
+    state: RequestState
+    tokens: Sequence[int]
+    start: int
 
 
 class SchedulerCore:
@@ -134,8 +162,11 @@ class SchedulerCore:
         #: the engine's prefill speed, sent with each lookup (see :mod:`.prefill`)
         self.prefill = PrefillMeter(settings.prefill_tokens_per_s)
         #: recent requests' identities: a request that extends one (a conversation's next turn)
-        #: hashes only its new blocks; used from the scheduler thread only, as the whole core
+        #: hashes only its new blocks
         self.identities = IdentityCache()
+        #: held while an identity (and so this cache) hashes: on this thread, and on the store
+        #: planner's for a big step's blocks
+        self._hashing = threading.Lock()
 
     # ------------------------------------------------------------------ requests
     def request(self, req_id: str) -> EngineRequest | None:
@@ -168,23 +199,30 @@ class SchedulerCore:
         num_tokens = len(request.all_token_ids)
         if state.miss_at == (num_computed_tokens, num_tokens):
             return 0, False  # asked again while the request waits for space: same miss
-        t0 = time.perf_counter()
-        keys = state.keys()
-        t1 = time.perf_counter()
         # NOTE: at least the last prompt token is computed by the engine: it needs its logits
         # (and vLLM's CPU kernels crash, SIGILL, on a prompt that arrives whole).
-        last = min(len(keys), (num_tokens - 1) // self.block_size)
+        last = (num_tokens - 1) // self.block_size
         if first >= last or state.load_sent:
             return 0, False
-        if not self._leader.may_hold(keys[first]):  # a prefix match: nothing, without a round trip
+        t0 = time.perf_counter()
+        with self._hashing:
+            probe = state.probe(first)
+        if probe is not None and not self._leader.may_hold(probe):
+            # a prefix match finds nothing: a miss without a round trip, and the request's blocks
+            # are hashed when they are stored (off this thread for a big step: see step)
             self._leader.unasked(last - first)
             state.miss_at = (num_computed_tokens, num_tokens)
             log.debug("kvbm miss %s: %d blocks after %d local, none stored (presence filter)", request.request_id,
                       last - first, first)
             if tracing():
                 trace("prepare_load", req=request.request_id, asked=last - first, planned=0, ms=0.0,
-                      hash_ms=round((t1 - t0) * 1e3, 3), reused=state.identity.reused if state.identity else 0,
-                      unasked=True)
+                      hash_ms=round((time.perf_counter() - t0) * 1e3, 3), reused=0, unasked=True)
+            return 0, False
+        with self._hashing:
+            keys = state.keys()
+        t1 = time.perf_counter()
+        last = min(len(keys), last)
+        if first >= last:
             return 0, False
         rate = self.prefill.tokens_per_s if self.settings.cost_aware_loads else 0.0
         handle = self._leader.prepare_load(keys[first:last], count_hit=True, tokens_per_block=self.block_size,
@@ -277,33 +315,48 @@ class SchedulerCore:
         self._fences.append(plan.fence)
         if self._early is not None and plan.loads:
             self._start_early(plan.loads)
-        keys: list[BlockHash] = []
+        spans: list[_Span] = []
         blocks: list[EngineBlockId] = []
         owners: list[RequestId] = []
         for req_id, num_computed in computed.items():
             state = self._reqs.get(RequestId(req_id))
             if state is None:
                 continue
-            state_keys = state.keys()
-            full = min(len(state_keys), num_computed // self.block_size, len(state.block_ids))
-            for i in range(state.num_stored, full):
-                keys.append(state_keys[i])
-                blocks.append(state.block_ids[i])
-                owners.append(RequestId(req_id))
-            state.num_stored = max(state.num_stored, full)
-        if tracing() and (plan.loads or keys):
-            trace("step", loads=[(x.req_id, len(x.engine_blocks), x.sync) for x in plan.loads], store_keys=len(keys))
+            full = min(state.hashable_blocks(), num_computed // self.block_size, len(state.block_ids))
+            if full > state.num_stored:
+                # the tokens of the blocks to key, read now (the request grows on this thread)
+                spans.append(_Span(state, state.request.all_token_ids[:full * self.block_size], state.num_stored))
+                blocks += state.block_ids[state.num_stored:full]
+                owners += [RequestId(req_id)] * (full - state.num_stored)
+                state.num_stored = full
+        if tracing() and (plan.loads or blocks):
+            trace("step", loads=[(x.req_id, len(x.engine_blocks), x.sync) for x in plan.loads], store_keys=len(blocks))
         if self._planner is not None and self._planner.pending:
             spec = self._planner.collect()  # the previous step's: sent before this step's forward
             if spec is not None:
                 plan.earlier_stores.append(spec)
-        if self._planner is not None and len(keys) >= self._planner.min_keys:
+        if self._planner is not None and len(blocks) >= self._planner.min_keys:
             for req_id in set(owners):
                 self._reqs[req_id].has_stores = True  # before the answer: see store_planner
-            self._planner.submit(keys, blocks, owners)
-        elif keys:
-            plan.stores.extend(self._store(keys, blocks, owners))
+            self._planner.submit(lambda: self._span_keys(spans), blocks, owners)  # hashed on its thread too
+        elif blocks:
+            keys = self._span_keys(spans)
+            if keys is not None:
+                plan.stores.extend(self._store(keys, blocks, owners))
         return plan
+
+    def _span_keys(self, spans: list[_Span]) -> list[BlockHash] | None:
+        """The keys of the spans' blocks, in order (any thread); None when a request turned out
+        not to be keyable (a token id beyond 32 bits): then none of them is stored."""
+        out: list[BlockHash] = []
+        with self._hashing:
+            for span in spans:
+                keys = span.state.keys(span.tokens)
+                end = len(span.tokens) // self.block_size
+                if len(keys) < end:
+                    return None
+                out += keys[span.start:end]
+        return out
 
     def _start_early(self, loads: list[LoadSpec]) -> None:
         assert self._early is not None

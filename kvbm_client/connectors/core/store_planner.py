@@ -1,8 +1,10 @@
 """Store plans asked for off the scheduler's thread: a step's ``PrepareStore`` runs while the
 engine runs the step, and the plan ships with the next step.
 
-The leader's ``PrepareStore`` for a 20K-token prefill (1024 new blocks) takes 3-7 ms; on the
-scheduler's thread it delays every step that completes blocks, a cold prefill's TTFT included.
+The leader's ``PrepareStore`` for a 20K-token prefill (1024 new blocks) takes 3-7 ms, and hashing
+its blocks 1.5-4 ms more (a cold request's lookup that the leader's presence filter answers hashes
+none); on the scheduler's thread both delay every step that completes blocks, a cold prefill's
+TTFT included.
 :class:`StorePlanner` asks for it on its own thread, over its own leader session, and the
 scheduler core collects the answer when it builds the next step (by then the step's forward
 has run for at least the time it takes the engine to schedule again; the collection waits for
@@ -33,6 +35,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from typing import Callable, Union
 
 from ...handles import TransferHandle
 from ...ids import BlockHash, EngineBlockId
@@ -54,6 +57,10 @@ def store_spec(handle: TransferHandle | None, blocks: list[EngineBlockId],
     log.debug("kvbm store: %d of %d new blocks planned", len(picked), len(blocks))
     return StoreSpec(handle.signed.plan, handle.signed.signature, [blocks[i] for i in handle.indices], picked,
                      deadline=handle.deadline)
+
+
+#: a step's keys, or how to hash them (on the planner's thread; None: not keyable, store nothing)
+Keys = Union[list[BlockHash], Callable[[], "list[BlockHash] | None"]]
 
 
 @dataclass
@@ -87,21 +94,27 @@ class StorePlanner:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvbm-store-plan")
         self._asked: _Asked | None = None
 
-    def submit(self, keys: list[BlockHash], blocks: list[EngineBlockId], owners: list[RequestId]) -> None:
-        """Ask for the stores of ``keys`` (entry i: block ``blocks[i]`` of request ``owners[i]``).
-        The previous step's must have been collected."""
+    def submit(self, keys: Keys, blocks: list[EngineBlockId], owners: list[RequestId]) -> None:
+        """Ask for the stores of ``keys`` (entry i: block ``blocks[i]`` of request ``owners[i]``;
+        a callable is called on the planner's thread: the blocks are hashed there, off the
+        scheduler's; None from it: nothing to store). The previous step's must have been collected."""
         assert self._asked is None, "collect() the previous step's stores first"
         self._asked = _Asked(self._thread.submit(self._ask, keys), blocks, owners, time.perf_counter())
 
-    def _ask(self, keys: list[BlockHash]) -> TransferHandle | None:
+    def _ask(self, keys: Keys) -> TransferHandle | None:
         t0 = time.perf_counter()
         try:
-            handle = self._leader.prepare_store(keys)
+            hashed = keys() if callable(keys) else keys
+            t1 = time.perf_counter()
+            if hashed is None:
+                return None
+            handle = self._leader.prepare_store(hashed)
         except Exception:  # never fail the engine: a link bug is a skipped store, logged
-            log.exception("kvbm: planning %d stores failed; they are skipped", len(keys))
+            log.exception("kvbm: planning a step's stores failed; they are skipped")
             return None
         if tracing():
-            trace("prepare_store", keys=len(keys), ms=round((time.perf_counter() - t0) * 1e3, 2), planned_async=True)
+            trace("prepare_store", keys=len(hashed), ms=round((time.perf_counter() - t1) * 1e3, 2),
+                  hash_ms=round((t1 - t0) * 1e3, 3), planned_async=True)
         return handle
 
     @property
