@@ -133,3 +133,19 @@ def test_a_restarted_leader_publishes_a_new_filter_and_the_session_follows_it(ma
     assert new != old and not old.exists(), "the new leader removed the old filter"
     assert not any(session.may_hold(k) for k in keys), "the new leader holds none of them"
     session.close()
+
+
+def test_a_connector_with_the_filter_turned_off_asks_the_leader_for_every_lookup(make_node):
+    from kvbm_client.connectors.core import ConnectorSettings
+    from kvbm_client.connectors.core.leader_link import LeaderLink
+    node = make_node()
+    node.ready_client()
+    unknown = hashes(3, seed=11)[0]
+    links = {on: LeaderLink(ConnectorSettings(node.leader_address, "unix:/unused-{id}", "ns", 5.0, 1.0,
+                                              config=node.config(), presence_filter=on)) for on in (True, False)}
+    try:
+        assert not links[True].may_hold(unknown), "the filter rules out a block the leader never held"
+        assert links[False].may_hold(unknown), "turned off: 'maybe' for everything, the leader answers"
+    finally:
+        for link in links.values():
+            link.close()

@@ -60,3 +60,16 @@ def test_tail_layers_are_the_front_shapes_last_two_groups(settings, pages, group
     daemon's last two front-loaded groups: 36 pages in 6 groups end ..., 32, 35, 36), never
     none and never more than the block has."""
     assert settings.tail_layers(pages, groups) == expected
+
+
+@pytest.mark.parametrize("value", [0, -3])
+def test_an_async_store_threshold_below_one_block_is_refused(settings, value):
+    with pytest.raises(ValueError, match=f"async_store_min_blocks={value}: at least 1"):
+        settings.ConnectorSettings.from_extra({"async_store_min_blocks": value}, "ns")
+    assert settings.ConnectorSettings.from_extra({"async_store_min_blocks": 1}, "ns").async_store_min_blocks == 1
+
+
+@pytest.mark.parametrize("value,expected", [(None, True), ("false", False), (False, False), ("on", True)])
+def test_the_presence_filter_is_used_unless_turned_off(settings, value, expected):
+    extra = {} if value is None else {"presence_filter": value}
+    assert settings.ConnectorSettings.from_extra(extra, "ns").presence_filter is expected

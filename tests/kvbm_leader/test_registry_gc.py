@@ -67,7 +67,9 @@ def test_a_filled_registry_holds_no_tracked_object_per_block() -> None:
     moves = sum(len(p.demotions) + len(p.promotions) for p in in_flight)
     assert growth <= 256 + moves, (growth, moves)
     again, _, in_flight = tracked_growth(16384)
-    assert again - sum(len(p.demotions) + len(p.promotions) for p in in_flight) <= growth - moves + 8
+    # 12288 more blocks: the old layout grew by 36864 more objects. The margin is the test
+    # process's own noise (CI's two workers: once 108 against 82 + 8)
+    assert again - sum(len(p.demotions) + len(p.promotions) for p in in_flight) <= growth - moves + 256
 
 
 def test_the_per_block_dicts_are_not_tracked() -> None:

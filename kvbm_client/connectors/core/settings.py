@@ -137,6 +137,9 @@ class ConnectorSettings:
             raise ValueError("ConnectorSettings.load_mode: resolve 'auto' first (from_extra's auto_load_mode)")
         if not 2 <= self.layer_groups <= MAX_LAYER_GROUPS:
             raise ValueError(f"kv_connector_extra_config.layer_groups={self.layer_groups}: 2 to {MAX_LAYER_GROUPS}")
+        if self.async_store_min_blocks < 1:
+            raise ValueError(f"kv_connector_extra_config.async_store_min_blocks={self.async_store_min_blocks}: "
+                             "at least 1")
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any], default_namespace: str, engine_id: str = "",
