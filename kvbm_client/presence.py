@@ -58,10 +58,16 @@ def header(bits: int, leader_id: str) -> bytes:
     return _HEADER.pack(MAGIC, bits, PROBES, ident).ljust(HEADER_BYTES, b"\0")
 
 
+def key_bytes(key: bytes) -> bytes:
+    """The 16 bytes whose two little-endian words are ``key``'s probes (before the mask)."""
+    if len(key) == 16:
+        return key
+    return key[:16] if len(key) > 16 else hashlib.blake2b(key, digest_size=16).digest()
+
+
 def probes(key: bytes, mask: int) -> tuple[int, int]:
     """The two bit indices of ``key`` in a filter of ``mask + 1`` bits."""
-    if len(key) < 16:
-        key = hashlib.blake2b(key, digest_size=16).digest()
+    key = key_bytes(key)
     return int.from_bytes(key[:8], "little") & mask, int.from_bytes(key[8:16], "little") & mask
 
 

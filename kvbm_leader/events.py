@@ -160,6 +160,11 @@ class KvEventFeed:
             self.events.removed(forgotten)
         if self.presence is not None:
             self.presence.gone(len(forgotten))
+
+    def tick(self, registry: BlockRegistry) -> None:
+        """The leader's periodic tick: flush, and advance the presence filter's rebuild."""
+        self.flush(registry)
+        if self.presence is not None:
             self.presence.step(registry.parents)
 
     def stored(self, registry: BlockRegistry, ready: list[tuple[BlockHash, Tier]]) -> None:

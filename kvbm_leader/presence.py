@@ -10,10 +10,10 @@ turns block changes into events). Invariants:
 * bits are never cleared one block at a time (they are shared); a block that is gone leaves
   its bits set (a "maybe": the client asks, as without a filter) and counts as *stale*. When the
   stale blocks outnumber the live ones (and at least :data:`MIN_STALE`), the filter is rebuilt
-  from the registry's blocks in slices of :data:`REBUILD_SLICE` (a few ms each, at each flush),
-  into a private copy that also takes the blocks added meanwhile; the copy then replaces the
-  file's bits in one copy. A block present throughout has its bits set in both, so no reader
-  ever sees it cleared;
+  from the registry's blocks in slices of :data:`REBUILD_SLICE` (a few ms each, one per leader
+  tick, never on a request's path), into a private copy that also takes the blocks added
+  meanwhile; the copy then replaces the file's bits in one copy. A block present throughout has
+  its bits set in both, so no reader ever sees it cleared;
 * ``clear`` (every block of the node gone: a worker lost, pools re-planned) zeroes the bits.
 
 Owns the file (created 0600, removed on close) and its mapping.
@@ -25,13 +25,15 @@ import mmap
 import os
 from typing import Collection
 
+import numpy as np
+
 from kvbm_client.ids import BlockHash
-from kvbm_client.presence import HEADER_BYTES, check_bits, file_name, header, probes
+from kvbm_client.presence import HEADER_BYTES, check_bits, file_name, header, key_bytes
 
 log = logging.getLogger("kvbm.leader")
 
-#: blocks a rebuild reads per flush (~0.7 us each)
-REBUILD_SLICE = 8192
+#: blocks a rebuild reads per leader tick (vectorized: a few ms)
+REBUILD_SLICE = 65536
 #: fewest stale blocks that start a rebuild
 MIN_STALE = 4096
 
@@ -42,7 +44,7 @@ class PresenceFilter:
     def __init__(self, directory: str, bits: int, leader_id: str) -> None:
         check_bits(bits)
         self.bits = bits
-        self._mask = bits - 1
+        self._mask = np.uint64(bits - 1)
         self.path = os.path.join(directory, file_name(leader_id))
         size = HEADER_BYTES + bits // 8
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -55,22 +57,29 @@ class PresenceFilter:
             raise
         os.close(fd)
         self._mm[:HEADER_BYTES] = header(bits, leader_id)
+        #: the file's bits, as bytes (bit i: bit i % 8 of byte i // 8)
+        self._bits: np.ndarray | None = np.frombuffer(self._mm, dtype=np.uint8, offset=HEADER_BYTES)
         #: blocks gone since the last rebuild began (their bits may still be set)
         self.stale = 0
         self.rebuilds = 0
         self._snapshot: list[BlockHash] | None = None  # a rebuild's blocks, read from _pos on
         self._pos = 0
-        self._next: bytearray | None = None  # a rebuild's bits
+        self._next: np.ndarray | None = None  # a rebuild's bits
+
+    def _set(self, into: np.ndarray, keys: Collection[BlockHash]) -> None:
+        """Set ``keys``' bits in ``into`` (one vectorized pass; ~50 us for 1024 keys)."""
+        if not keys:
+            return
+        idx = np.frombuffer(b"".join(map(key_bytes, keys)), dtype="<u8") & self._mask
+        np.bitwise_or.at(into, (idx >> np.uint64(3)).astype(np.intp),
+                         np.left_shift(np.uint8(1), (idx & np.uint64(7)).astype(np.uint8)))
 
     def add(self, keys: Collection[BlockHash]) -> None:
-        """``keys`` became matchable."""
-        mm, mask, nxt = self._mm, self._mask, self._next
-        for key in keys:
-            for i in probes(key, mask):
-                at = HEADER_BYTES + (i >> 3)
-                mm[at] |= 1 << (i & 7)
-                if nxt is not None:
-                    nxt[i >> 3] |= 1 << (i & 7)
+        """``keys`` may become matchable from now on."""
+        assert self._bits is not None, "closed"
+        self._set(self._bits, keys)
+        if self._next is not None:
+            self._set(self._next, keys)
 
     def gone(self, count: int) -> None:
         """``count`` blocks were forgotten (no copy left)."""
@@ -78,34 +87,33 @@ class PresenceFilter:
 
     def step(self, live: Collection[BlockHash]) -> None:
         """Advance a rebuild by one slice, or start one when the stale blocks call for it
-        (``live``: every block the leader holds now, e.g. the registry's ``parents``)."""
+        (``live``: every block the leader holds now, e.g. the registry's ``parents``). Called
+        from the leader's tick, never on a request's path."""
         if self._snapshot is None:
             if self.stale < max(MIN_STALE, len(live)):
                 return
-            self._snapshot, self._pos, self._next = list(live), 0, bytearray(self.bits // 8)
+            self._snapshot, self._pos, self._next = list(live), 0, np.zeros(self.bits // 8, dtype=np.uint8)
             log.debug("presence filter: rebuilding from %d blocks (%d stale)", len(live), self.stale)
             self.stale = 0  # blocks forgotten from now on may be in the snapshot
-        snapshot, nxt, mask = self._snapshot, self._next, self._mask
-        assert nxt is not None
-        end = min(len(snapshot), self._pos + REBUILD_SLICE)
-        for key in snapshot[self._pos:end]:
-            for i in probes(key, mask):
-                nxt[i >> 3] |= 1 << (i & 7)
+        assert self._next is not None and self._bits is not None
+        end = min(len(self._snapshot), self._pos + REBUILD_SLICE)
+        self._set(self._next, self._snapshot[self._pos:end])
         self._pos = end
-        if end == len(snapshot):
-            self._mm[HEADER_BYTES:] = nxt
+        if end == len(self._snapshot):
+            self._bits[:] = self._next  # every byte old or new: a block held throughout reads set
             self._snapshot, self._next = None, None
             self.rebuilds += 1
 
     def clear(self) -> None:
         """Every block is gone: zero the bits (a rebuild in progress is dropped)."""
-        self._mm[HEADER_BYTES:] = bytes(self.bits // 8)
+        assert self._bits is not None, "closed"
+        self._bits[:] = 0
         self._snapshot, self._next, self.stale = None, None, 0
 
     def may_hold(self, key: BlockHash) -> bool:
-        i, j = probes(key, self._mask)
-        mm = self._mm
-        return bool(mm[HEADER_BYTES + (i >> 3)] >> (i & 7) & 1 and mm[HEADER_BYTES + (j >> 3)] >> (j & 7) & 1)
+        assert self._bits is not None, "closed"
+        idx = np.frombuffer(key_bytes(key), dtype="<u8") & self._mask
+        return bool(np.all(self._bits[(idx >> np.uint64(3)).astype(np.intp)] >> (idx & np.uint64(7)).astype(np.uint8) & 1))
 
     def close(self) -> None:
         """Remove the file (clients keep their mapping of the last bits) and unmap it; idempotent."""
@@ -115,6 +123,7 @@ class PresenceFilter:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+        self._bits = self._next = None  # (the mapping cannot close while an array views it)
         self._mm.close()
 
 

@@ -138,7 +138,7 @@ class LeaderService:
                         session.session_id[:8], session.client_name)
             await self.ledger.end_session(session.session_id, "session expired")
         await self.ledger.expire(now)
-        self.feed.flush(self.placement.registry)
+        self.feed.tick(self.placement.registry)
         self.rebalancer.maybe_demote()
 
     async def wait_attached(self, timeout: float) -> bool:

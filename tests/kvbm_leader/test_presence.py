@@ -128,3 +128,16 @@ def test_the_feed_adds_planned_blocks_counts_forgotten_ones_and_clears(pf):
     assert pf.may_hold(key(3))
     feed.cleared()
     assert not pf.may_hold(b) and not pf.may_hold(key(3)) and pf.stale == 0
+
+
+def test_rebuilds_advance_on_the_leaders_tick_not_on_a_requests_flush(pf, monkeypatch):
+    monkeypatch.setattr(presence_mod, "MIN_STALE", 1)
+    reg = BlockRegistry({Tier.HOST: 8})
+    feed = KvEventFeed(NullEvents(), pf)
+    gone = [key(i) for i in range(50)]
+    feed.planned(gone)
+    pf.gone(len(gone))  # (forgotten, as a flush reports them)
+    feed.flush(reg)
+    assert pf.rebuilds == 0 and all(pf.may_hold(k) for k in gone), "a request's flush rebuilds nothing"
+    feed.tick(reg)
+    assert pf.rebuilds == 1 and sum(pf.may_hold(k) for k in gone) == 0
