@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping
 
 from .errors import KvbmConfigError
 from .ids import MAX_HASH_BYTES
-from .presence import check_bits
+from .presence import check_slots
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -95,10 +95,10 @@ OPTIONS: tuple[Option, ...] = (
            "A client that stops renewing for this long loses its pins and pending jobs.", "kvbm"),
     Option("max_hashes", "DYN_KVBM_MAX_HASHES_PER_REQUEST", int, 65536,
            "Longest hash list one request may carry.", "kvbm"),
-    Option("presence_filter_bits", "DYN_KVBM_PRESENCE_FILTER_BITS", int, 1 << 24,
-           "Bits of the leader's presence filter (a power of two, 65536 to 2^34; 0: none), a "
-           "file in the socket dir that local clients map read-only to answer a cold request's "
-           "lookup without a round trip. 2^24 (2 MiB) keeps false 'maybe' answers near one in a "
+    Option("presence_filter_slots", "DYN_KVBM_PRESENCE_FILTER_SLOTS", int, 1 << 24,
+           "Slots of the leader's presence filter (a power of two, 65536 to 2^30, one byte each; 0: none), "
+           "a file in the socket dir that local clients map read-only to answer a cold request's "
+           "lookup without a round trip. 2^24 (16 MiB) keeps false 'maybe' answers near one in a "
            "hundred up to a million stored blocks.", "kvbm"),
     Option("host_free_watermark", "DYN_KVBM_HOST_FREE_WATERMARK", float, 0.05,
            "Fraction of G2 kept free by background demotion/eviction.", "kvbm"),
@@ -209,7 +209,7 @@ class KvbmConfig:
     job_timeout_secs: float = 30.0
     session_ttl_secs: float = 10.0
     max_hashes: int = 65536
-    presence_filter_bits: int = 1 << 24
+    presence_filter_slots: int = 1 << 24
     host_free_watermark: float = 0.05
     store_demotion_mb: float = 64.0
     cost_aware_loads: bool = True
@@ -319,11 +319,11 @@ class KvbmConfig:
                      "disk_io_timeout_secs"):
             if not getattr(self, name) > 0:
                 raise KvbmConfigError(f"{_BY_FIELD[name].env} must be positive, got {getattr(self, name)}")
-        if self.presence_filter_bits:
+        if self.presence_filter_slots:
             try:
-                check_bits(self.presence_filter_bits)
+                check_slots(self.presence_filter_slots)
             except ValueError as exc:
-                raise KvbmConfigError(f"DYN_KVBM_PRESENCE_FILTER_BITS: {exc}") from None
+                raise KvbmConfigError(f"DYN_KVBM_PRESENCE_FILTER_SLOTS: {exc}") from None
         for name in ("host_load_gbps", "disk_load_gbps"):
             if not 0 < getattr(self, name) < math.inf:
                 raise KvbmConfigError(f"{_BY_FIELD[name].env} must be a finite number > 0")

@@ -80,7 +80,7 @@ class LeaderSession:
         self._session.opened(resp)
         if self._session.presence_path != self._presence_from:
             self._presence_from = self._session.presence_path
-            self._presence = PresenceView.open(self._presence_from, self._session.presence_bits,
+            self._presence = PresenceView.open(self._presence_from, self._session.presence_slots,
                                                self._session.leader_id)
 
     def _renew(self) -> None:

@@ -50,7 +50,7 @@ class SessionCore:
     #: the leader's id, and its presence filter (:mod:`kvbm_client.presence`; "" / 0: none)
     leader_id: str = ""
     presence_path: str = ""
-    presence_bits: int = 0
+    presence_slots: int = 0
 
     def open_request(self) -> "pb.OpenSessionRequest":
         return pb.OpenSessionRequest(client_name=self.client_name)
@@ -62,7 +62,7 @@ class SessionCore:
         self.max_hashes = resp.max_hashes
         self.workers = {WorkerId(w.worker_id): w for w in resp.workers}
         self.leader_id = resp.leader_id
-        self.presence_path, self.presence_bits = resp.presence_path, resp.presence_bits
+        self.presence_path, self.presence_slots = resp.presence_path, resp.presence_slots
 
     @staticmethod
     def open_error(exc: grpc.RpcError, address: str, timeout: float) -> KvbmError:

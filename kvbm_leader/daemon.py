@@ -28,7 +28,7 @@ from kvbm_client.logs import log_loop_stalls, setup_logging
 
 from .cluster import LeaderCluster
 from .metrics import LeaderMetrics
-from .presence import PresenceFilter, remove_stale_files
+from .presence import PresenceFilter, file_prefix, filter_path, remove_stale_files
 from .service import LeaderService, new_leader_id
 from .servicer import LeaderServicer
 
@@ -59,20 +59,22 @@ class LeaderDaemon:
         self._closed = False
 
     def _presence(self, leader_id: str) -> PresenceFilter | None:
-        """The presence filter's file in the socket dir (only the leader's user can map it there),
-        replacing any an earlier leader left; None when disabled or the dir cannot hold it."""
-        bits = self.config.presence_filter_bits
-        if not bits:
+        """The presence filter's file (in a 0700 directory: only the leader's user can map it),
+        replacing any an earlier leader of this socket dir left; None when disabled or the
+        directory cannot hold it."""
+        slots = self.config.presence_filter_slots
+        if not slots:
             return None
-        directory = self.config.resolved_socket_dir
+        socket_dir = self.config.resolved_socket_dir
+        directory, path = filter_path(socket_dir, leader_id)
         try:
             ensure_socket_dir(directory)
-            remove_stale_files(directory)
-            presence = PresenceFilter(directory, bits, leader_id)
+            remove_stale_files(directory, file_prefix(socket_dir))
+            presence = PresenceFilter(path, slots, leader_id)
         except (OSError, KvbmConfigError) as exc:
             log.warning("no presence filter (%s): every lookup is a round trip", exc)
             return None
-        log.info("presence filter %s (%d bits) for local clients", presence.path, bits)
+        log.info("presence filter %s (%d slots) for local clients", presence.path, slots)
         return presence
 
     async def start(self) -> None:

@@ -112,7 +112,7 @@ class LeaderService:
                                       workers=worker_infos(self.membership), max_hashes=self.config.max_hashes,
                                       ttl_ms=int(session.ttl * 1000),
                                       presence_path=self.presence.path if self.presence else "",
-                                      presence_bits=self.presence.bits if self.presence else 0)
+                                      presence_slots=self.presence.slots if self.presence else 0)
 
     async def close_session(self, session_id: SessionId) -> None:
         session = self.sessions.close(session_id)

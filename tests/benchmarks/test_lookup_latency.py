@@ -25,4 +25,4 @@ def test_one_pass_times_every_rep(op: str) -> None:
 def test_the_filter_answers_fresh_keys_as_misses_in_the_client() -> None:
     lookup_latency.FALSE_MAYBE.clear()
     lookup_latency.one_pass(REPO, blocks=16, reps=20, op="miss_filter")
-    assert lookup_latency.FALSE_MAYBE == [0], "30 fresh keys against 32 of 2^24 bits: no false 'maybe'"
+    assert lookup_latency.FALSE_MAYBE == [0], "30 fresh keys against 32 of 2^24 slots: no false 'maybe'"

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import signal
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -97,17 +98,18 @@ def _host_hit_rate(node) -> float:
 def test_the_presence_filter_rules_out_what_the_leader_does_not_hold_and_never_what_it_does(make_node):
     node = make_node()
     client, _ = node.ready_client()
-    (path,) = node.socket_dir.glob("presence-*.bits")
-    assert path.stat().st_mode & 0o777 == 0o600, "only the leader's user maps it"
     keys, others = hashes(6), hashes(200, seed=5)
     with LeaderSession(node.leader_address, timeout=5) as session:
+        path = Path(session._session.presence_path)
+        assert path.stat().st_mode & 0o777 == 0o600 and path.parent.stat().st_mode & 0o777 == 0o700, \
+            "only the leader's user maps it"
         assert not any(session.may_hold(k) for k in keys), "nothing stored: every first block ruled out"
         store = session.prepare_store(keys)
         assert all(session.may_hold(k) for k in keys), "planned blocks are in the filter before they can match"
         client.start(store, [0, 1, 2, 3, 4, 5])
         client.wait(store)
         assert all(session.may_hold(k) for k in keys)
-        assert sum(session.may_hold(k) for k in others) == 0, "200 unknown blocks, 12 of 2^24 bits set"
+        assert sum(session.may_hold(k) for k in others) == 0, "200 unknown blocks, 12 of 2^24 slots set"
         # the leader counts the lookups the client answered itself: 6 asked and matched, then 6
         # answered by the filter, told with the next call
         session.prepare_load(keys, count_hit=True, tokens_per_block=16)
@@ -126,10 +128,10 @@ def test_a_restarted_leader_publishes_a_new_filter_and_the_session_follows_it(ma
     client.wait(client.offload(keys, [0, 1, 2, 3]))
     session = LeaderSession(node.leader_address, timeout=5)
     assert all(session.may_hold(k) for k in keys)
-    (old,) = node.socket_dir.glob("presence-*.bits")
+    old = Path(session._session.presence_path)
     # no clean stop (the file stays behind); the load re-opens the session with the new leader
     assert _kill_leader_then_load(node, session, keys).is_empty
-    (new,) = node.socket_dir.glob("presence-*.bits")
+    new = Path(session._session.presence_path)
     assert new != old and not old.exists(), "the new leader removed the old filter"
     assert not any(session.may_hold(k) for k in keys), "the new leader holds none of them"
     session.close()

@@ -136,22 +136,22 @@ class WorkerInfo(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., rank: _Optional[int] = ..., endpoint: _Optional[str] = ..., state: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., host_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., alloc_progress: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
-    __slots__ = ("session_id", "leader_id", "workers", "max_hashes", "ttl_ms", "presence_path", "presence_bits")
+    __slots__ = ("session_id", "leader_id", "workers", "max_hashes", "ttl_ms", "presence_path", "presence_slots")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LEADER_ID_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     MAX_HASHES_FIELD_NUMBER: _ClassVar[int]
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
     PRESENCE_PATH_FIELD_NUMBER: _ClassVar[int]
-    PRESENCE_BITS_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     leader_id: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
     max_hashes: int
     ttl_ms: int
     presence_path: str
-    presence_bits: int
-    def __init__(self, session_id: _Optional[str] = ..., leader_id: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., max_hashes: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., presence_path: _Optional[str] = ..., presence_bits: _Optional[int] = ...) -> None: ...
+    presence_slots: int
+    def __init__(self, session_id: _Optional[str] = ..., leader_id: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., max_hashes: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., presence_path: _Optional[str] = ..., presence_slots: _Optional[int] = ...) -> None: ...
 
 class KeepAliveRequest(_message.Message):
     __slots__ = ("session_id",)
