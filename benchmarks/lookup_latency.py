@@ -4,7 +4,7 @@ side, for one or more source trees in alternating passes; or (``--op store``) on
 ``PrepareStore`` of new blocks, as the scheduler role sends it in each step of a cold prefill.
 
     python3 benchmarks/lookup_latency.py [--op load|store|miss] [--blocks 1258] [--reps 200] [--passes 3]
-                                         [--src DIR ...] [--json out.json]
+                                         [--src DIR ...] [--variant LABEL:KEY=VALUE,... ...] [--json out.json]
 
 ``--op miss``: a cold request's lookup, ``--blocks`` keys never stored (a fresh salt each time)
 while the node holds ``--blocks`` others, two ways in alternating requests: ``asked``, the
@@ -51,8 +51,9 @@ from kvbm_client.local_node import LocalNode, isolated_env
 REPO = Path(__file__).resolve().parents[1]
 
 
-def one_pass(src: Path, blocks: int, reps: int, op: str = "load") -> list[float]:
-    """Lookup (``op`` load) or store-planning (store) round trips (ms) against a node run from ``src``."""
+def one_pass(src: Path, blocks: int, reps: int, op: str = "load", node_env: dict[str, str] | None = None) -> list[float]:
+    """Lookup (``op`` load) or store-planning (store) round trips (ms) against a node run from ``src``
+    (``node_env``: more ``DYN_KVBM_*`` settings of its daemons)."""
     with tempfile.TemporaryDirectory(prefix="kvbm-lookup-", dir="/tmp") as tmp:
         root = Path(tmp)
         # a released store's slots stay reserved until its job expires (a worker may still write
@@ -60,7 +61,8 @@ def one_pass(src: Path, blocks: int, reps: int, op: str = "load") -> list[float]
         pool = blocks * (reps + 10) + 64 if op == "store" else blocks + 64
         env = isolated_env(root, {"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": pool, "DYN_LOG": "warning",
                                   "DYN_KVBM_HOST_FREE_WATERMARK": "0",
-                                  "PYTHONPATH": os.pathsep.join(filter(None, [str(src), os.environ.get("PYTHONPATH")]))})
+                                  "PYTHONPATH": os.pathsep.join(filter(None, [str(src), os.environ.get("PYTHONPATH")])),
+                                  **(node_env or {})})
         keys = sequence_hashes(list(range(blocks * 16)), 16)
         with LocalNode(env, 1, log_dir=root, cwd=src).start() as node:
             config = KvbmConfig.from_env(env)
@@ -158,9 +160,16 @@ def client_side_ms(blocks: int, reps: int = 200) -> float:
     return statistics.median(out)
 
 
-def label(src: Path, op: str) -> str:
-    """A result row's name: the source, and how a miss was answered (``--op miss``)."""
-    return {"miss": f"{src} asked", "miss_filter": f"{src} filter"}.get(op, str(src))
+def label(src: Path, op: str, variant: str = "") -> str:
+    """A result row's name: the source, how a miss was answered (``--op miss``), the variant."""
+    name = {"miss": f"{src} asked", "miss_filter": f"{src} filter"}.get(op, str(src))
+    return f"{name} [{variant}]" if variant else name
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+    """``LABEL:KEY=VALUE,KEY=VALUE`` (``--variant``) -> (label, settings)."""
+    name, _, rest = text.partition(":")
+    return name, dict(item.split("=", 1) for item in rest.split(",") if item)
 
 
 def main() -> int:
@@ -174,19 +183,25 @@ def main() -> int:
     ap.add_argument("--passes", type=int, default=3, help="alternating passes over the sources [3]")
     ap.add_argument("--src", action="append", default=[], help="a checkout to run the daemons from (repeat: "
                                                                "compared in one run) [this one]")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="LABEL:KEY=VALUE,... daemon settings of one variant (repeat: each source runs every "
+                         "variant, alternating), e.g. off:DYN_KVBM_PRESENCE_FILTER_SLOTS=0 [one, as configured]")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     record = provenance()
     srcs = [Path(s).resolve() for s in args.src] or [REPO]
+    variants = [parse_variant(v) for v in args.variant] or [("", {})]
     # --op miss: each source twice per pass, asked then filtered (then the other way round)
-    runs = [(src, op) for src in srcs for op in (("miss", "miss_filter") if args.op == "miss" else (args.op,))]
-    per: dict[str, list[list[float]]] = {label(src, op): [] for src, op in runs}
+    runs = [(src, op, v) for src in srcs for op in (("miss", "miss_filter") if args.op == "miss" else (args.op,))
+            for v in variants]
+    per: dict[str, list[list[float]]] = {label(src, op, v[0]): [] for src, op, v in runs}
     for p in range(args.passes):
-        for src, op in (runs if p % 2 == 0 else runs[::-1]):
-            samples = one_pass(src, args.blocks, args.reps, op)
-            per[label(src, op)].append(samples)
+        for src, op, (name, env) in (runs if p % 2 == 0 else runs[::-1]):
+            samples = one_pass(src, args.blocks, args.reps, op, env)
+            per[label(src, op, name)].append(samples)
             q = statistics.quantiles(samples, n=10)
-            print(f"pass {p} {label(src, op)}: p50 {statistics.median(samples):.3f} ms p90 {q[8]:.3f} ms", flush=True)
+            print(f"pass {p} {label(src, op, name)}: p50 {statistics.median(samples):.3f} ms p90 {q[8]:.3f} ms",
+                  flush=True)
     rows = []
     for src, passes in per.items():
         p50s = [statistics.median(s) for s in passes]

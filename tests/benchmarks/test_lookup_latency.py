@@ -26,3 +26,10 @@ def test_the_filter_answers_fresh_keys_as_misses_in_the_client() -> None:
     lookup_latency.FALSE_MAYBE.clear()
     lookup_latency.one_pass(REPO, blocks=16, reps=20, op="miss_filter")
     assert lookup_latency.FALSE_MAYBE == [0], "30 fresh keys against 32 of 2^24 slots: no false 'maybe'"
+
+
+def test_a_variant_is_a_label_and_daemon_settings() -> None:
+    assert lookup_latency.parse_variant("off:DYN_KVBM_PRESENCE_FILTER_SLOTS=0,DYN_LOG=debug") == (
+        "off", {"DYN_KVBM_PRESENCE_FILTER_SLOTS": "0", "DYN_LOG": "debug"})
+    assert lookup_latency.parse_variant("on") == ("on", {})
+    assert lookup_latency.label(REPO, "store", "off") == f"{REPO} [off]"
