@@ -164,10 +164,12 @@ class BlockIdentity:
         return self.keys
 
     def probe(self, tokens: Sequence[int], index: int) -> BlockHash | None:
-        """The key of block ``index`` of ``tokens`` without absorbing anything (the identity is
-        left as it was, so a later :meth:`update` may still start from a cached identity); None
-        when ``tokens`` has no such full block or the request has multimodal inputs (their
-        records need the state's progress through the inputs: use :meth:`update`).
+        """The key of block ``index`` of ``tokens`` (the request's tokens from its start), hashing
+        as little as :meth:`update` would: from a recent request that holds it (the cache, when
+        its token bytes up to that block match: nothing is hashed or absorbed, so a later
+        :meth:`update` still adopts the best one), else by absorbing the blocks up to it (which a
+        later :meth:`update` then does not hash again). None when ``tokens`` has no such full
+        block.
 
         Raises:
             OverflowError: a token id is negative or does not fit 32 bits.
@@ -175,14 +177,17 @@ class BlockIdentity:
         if index < len(self.keys):
             return self.keys[index]
         end = (index + 1) * self.block_size
-        if self._multimodal or len(tokens) < end:
+        if len(tokens) < end:
             return None
-        ids = array("I", tokens[len(self.keys) * self.block_size:end])
-        if sys.byteorder == "big":
-            ids.byteswap()
-        state = self._state.copy()
-        state.update(memoryview(ids).cast("B"))  # (the blocks' bytes one after another: the same
-        return BlockHash(state.digest())          # stream as one update per block)
+        if self._cache is not None and not self.keys:
+            ids = array("I", tokens[:end])
+            if sys.byteorder == "big":
+                ids.byteswap()
+            held = self._cache._peek(self, memoryview(ids).cast("B"), index)
+            if held is not None:
+                return held
+        self.update(tokens[:end])
+        return self.keys[index] if index < len(self.keys) else None
 
     def _multimodal_record(self, first: int) -> bytes:
         """The multimodal inputs overlapping tokens ``[first, first + block_size)``: count,
@@ -297,6 +302,16 @@ class IdentityCache:
         self._clock += 1
         self._lru[best] = (key, cost, self._clock)
         return True
+
+    def _peek(self, identity: BlockIdentity, data: memoryview, index: int) -> BlockHash | None:
+        """Block ``index``'s key from a candidate that holds it and whose token bytes start with
+        ``data`` (``identity``'s first ``index + 1`` blocks); None when there is none. Changes
+        nothing (the candidate is not counted as used)."""
+        step = identity.block_size * 4
+        for cand in self._buckets.get((identity._header, bytes(data[:step])), ()):
+            if len(cand.keys) > index and cand._data[:len(data)] == data:
+                return cand.keys[index]
+        return None
 
     def _record(self, identity: BlockIdentity) -> None:
         """``identity`` (at least one block) was updated: hold it as the most recent candidate."""

@@ -323,3 +323,29 @@ def test_a_parent_or_salt_wider_than_64_bits_chains_on_its_low_64_bits() -> None
     first = xxhash.xxh3_64_intdigest(array("I", tokens[:BS]).tobytes(), seed=0)
     expected = xxhash.xxh3_64_intdigest(narrow + first.to_bytes(8, "big"), seed=0)
     assert sequence_hashes(tokens, BS, parent=wide)[0] == expected.to_bytes(8, "big")
+
+
+def test_a_probe_hashes_no_further_than_its_block_and_the_update_goes_on_from_there() -> None:
+    tokens = list(range(16 * 12 + 3))
+    fresh = BlockIdentity("ns", 16).update(tokens)
+    ident = BlockIdentity("ns", 16)
+    assert ident.probe(tokens, 4) == fresh[4] and len(ident.keys) == 5, "blocks 0..4 absorbed, no more"
+    assert ident.probe(tokens, 2) == fresh[2], "a block hashed already is read back"
+    assert ident.probe(tokens, 12) is None, "no 13th full block"
+    assert ident.update(tokens) == fresh
+
+
+def test_a_probe_reads_a_recent_requests_key_and_leaves_the_adoption_to_the_update() -> None:
+    from kvbm_client.hashing import IdentityCache
+    cache = IdentityCache()
+    turn1 = list(range(16 * 40))
+    BlockIdentity("ns", 16, cache=cache).update(turn1)
+    turn2 = turn1 + list(range(5000, 5000 + 16 * 8))
+    fresh = BlockIdentity("ns", 16).update(turn2)
+    ident = BlockIdentity("ns", 16, cache=cache)
+    assert ident.probe(turn2, 30) == fresh[30] and ident.keys == [], "from turn 1's keys: nothing hashed"
+    assert ident.update(turn2) == fresh and ident.reused == 40, "turn 1 adopted whole, as without the probe"
+    short = BlockIdentity("ns", 16, cache=cache)
+    other = turn1[:16 * 3] + [9] * (16 * 20)  # shares 3 blocks with turn 1, then differs
+    assert short.probe(other, 10) == BlockIdentity("ns", 16).update(other)[10]
+    assert short.reused == 0 and len(short.keys) == 11, "no candidate holds block 10 of these tokens: hashed"

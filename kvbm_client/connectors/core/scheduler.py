@@ -108,8 +108,8 @@ class RequestState:
             return []
 
     def probe(self, index: int) -> BlockHash | None:
-        """The key of block ``index``, hashing nothing into the identity (None: not a full block,
-        or only :meth:`keys` can tell). Called under the core's hashing lock."""
+        """The key of block ``index``, hashing no further than it (:meth:`BlockIdentity.probe`;
+        None: not a full block). Called under the core's hashing lock."""
         if self.identity is None:
             return None
         try:
