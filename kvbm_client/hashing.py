@@ -224,9 +224,9 @@ class IdentityCache:
     text) hashes only what comes after, not its whole prompt again. Keys via the cache are byte
     for byte those of a fresh identity, always.
 
-    Owned by one scheduler role (no global instance) and used from its one thread only (the
-    engine's scheduler thread): nothing is locked, and no identity is updated while another is
-    adopting from it.
+    Owned by one scheduler role (no global instance); it and its identities are used under one
+    lock of their owner (the connector core's hashing lock: the engine's scheduler thread and its
+    store planner's thread take it), so no identity is updated while another is adopting from it.
 
     Key: ``(header, first block's token bytes)``, exact bytes compared by the dict (no digest
     stands for them). The header holds everything but the tokens (version, namespace, block

@@ -150,7 +150,7 @@ class KvEventFeed:
 
     def __init__(self, events: NullEvents, presence: PresenceFilter | None = None) -> None:
         self.events = events
-        #: the clients' presence filter: told of every block made matchable or forgotten here
+        #: the clients' presence filter: told here of every block planned, restored or forgotten
         self.presence = presence
 
     def flush(self, registry: BlockRegistry) -> None:

@@ -5,8 +5,9 @@ clients map read-only, so that a connector answers a cold request's lookup witho
 Runs in the leader, synchronously, driven by :class:`~.events.KvEventFeed` (the one place that
 turns block changes into events). Invariants:
 
-* every block a lookup can match has its slots set: a block's slots are set when it becomes
-  matchable (a store settled, a G3 restore), before the leader answers another request;
+* every block a lookup can match has its slots set: a block's slots are set when its store is
+  planned (before any copy of it can be ready: a job's copies become ready a slice at a time)
+  or it is restored into G3 (before it is announced);
 * slots are never cleared one block at a time (they are shared); a block that is gone leaves
   its slots set (a "maybe": the client asks, as without a filter) and counts as *stale*. When the
   stale blocks are a quarter of the live ones (and at least :data:`MIN_STALE`) and the blocks
