@@ -102,7 +102,8 @@ from ...hashing import MultimodalSpan, RequestExtras
 from .early_loads import EarlyLoads
 from .leader_link import LeaderLink, LeaderPort
 from .region_link import RegionLink
-from .scheduler import EngineRequest, RequestState, SchedulerCore
+from .request_keys import EngineRequest, RequestState
+from .scheduler import SchedulerCore
 from .settings import Backoff, ConnectorSettings, LoadMode
 from .specs import LoadSpec, RequestId, StepPlan, StoreSpec
 from .transfers import InFlight, TransferTracker

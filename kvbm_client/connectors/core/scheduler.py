@@ -43,96 +43,21 @@ stores into skips (see :mod:`.leader_link`).
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping, NamedTuple, Protocol, Sequence
+from typing import Iterable, Mapping, Sequence
 
-from ...handles import TransferHandle
-from ...hashing import BlockIdentity, IdentityCache, RequestExtras
 from ...ids import BlockHash, EngineBlockId
 from .early_loads import EarlyLoads
 from .leader_link import LeaderPort
 from .prefill import PrefillMeter
+from .request_keys import EngineRequest, ExtrasOf, KeyHasher, RequestState, Span
 from .settings import ConnectorSettings
 from .specs import LoadSpec, RequestId, StepPlan, StoreSpec
 from .store_planner import StorePlanner, store_spec
 from .tracing import trace, tracing
 
 log = logging.getLogger("kvbm.connector")
-
-
-class EngineRequest(Protocol):
-    """What the core reads from an engine's request (vLLM's ``Request`` has both; other
-    adapters wrap theirs). ``all_token_ids`` is live: it grows as the request decodes (only
-    ``len`` and slicing are used)."""
-
-    @property
-    def request_id(self) -> str: ...
-
-    @property
-    def all_token_ids(self) -> Sequence[int]: ...
-
-
-#: An adapter's reading of a request's extra keys; None: the request's token ids do not
-#: identify its KV (e.g. prompt embeddings), so kvbm neither loads nor stores it.
-ExtrasOf = Callable[[EngineRequest], "RequestExtras | None"]
-
-
-@dataclass
-class RequestState:
-    """What the scheduler core remembers of one request (from its first lookup to its end)."""
-
-    request: EngineRequest
-    identity: BlockIdentity | None
-    block_ids: list[EngineBlockId] = field(default_factory=list)
-    num_stored: int = 0  # leading blocks already offloaded (or known to be in kvbm)
-    load: TransferHandle | None = None
-    load_first_block: int = 0
-    load_sent: bool = False
-    #: a store of its blocks was planned (or asked for): its frees wait for the worker side,
-    #: its preemption fences
-    has_stores: bool = False
-    miss_at: tuple[int, int] | None = None  # (computed, tokens) of the last lookup that missed
-
-    def keys(self, tokens: Sequence[int] | None = None) -> list[BlockHash]:
-        """kvbm keys of the full blocks of ``tokens`` (default: the request's tokens so far),
-        hashed once per block. Called under the core's hashing lock."""
-        if self.identity is None:
-            return []
-        try:
-            return self.identity.update(self.request.all_token_ids if tokens is None else tokens)
-        except OverflowError:  # a token id beyond 32 bits: not an identity we can vouch for
-            self._unhashable()
-            return []
-
-    def probe(self, index: int) -> BlockHash | None:
-        """The key of block ``index``, hashing no further than it (:meth:`BlockIdentity.probe`;
-        None: not a full block). Called under the core's hashing lock."""
-        if self.identity is None:
-            return None
-        try:
-            return self.identity.probe(self.request.all_token_ids, index)
-        except OverflowError:
-            self._unhashable()
-            return None
-
-    def hashable_blocks(self) -> int:
-        """Full blocks :meth:`keys` would key now (0 for a request kvbm does not key)."""
-        return len(self.request.all_token_ids) // self.identity.block_size if self.identity is not None else 0
-
-    def _unhashable(self) -> None:
-        log.warning("kvbm: request %s has token ids beyond 32 bits; not cached", self.request.request_id)
-        self.identity = None
-
-
-class _Span(NamedTuple):
-    """A step's new full blocks of one request: its blocks ``start`` to the end of ``tokens``."""
-
-    state: RequestState
-    tokens: Sequence[int]
-    start: int
 
 
 class SchedulerCore:
@@ -161,12 +86,8 @@ class SchedulerCore:
         self._delayed: list[RequestId] = []
         #: the engine's prefill speed, sent with each lookup (see :mod:`.prefill`)
         self.prefill = PrefillMeter(settings.prefill_tokens_per_s)
-        #: recent requests' identities: a request that extends one (a conversation's next turn)
-        #: hashes only its new blocks
-        self.identities = IdentityCache()
-        #: held while an identity (and so this cache) hashes: on this thread, and on the store
-        #: planner's for a big step's blocks
-        self._hashing = threading.Lock()
+        #: the requests' block keys, hashed on this thread and on the store planner's
+        self.hasher = KeyHasher()
 
     # ------------------------------------------------------------------ requests
     def request(self, req_id: str) -> EngineRequest | None:
@@ -180,8 +101,7 @@ class SchedulerCore:
         state = self._reqs.get(req_id)
         if state is None:
             extras = self._extras_of(request)
-            identity = (None if extras is None
-                        else BlockIdentity(self.settings.namespace, self.block_size, extras, self.identities))
+            identity = None if extras is None else self.hasher.identity(self.settings.namespace, self.block_size, extras)
             state = self._reqs[req_id] = RequestState(request, identity)
         return state
 
@@ -205,8 +125,7 @@ class SchedulerCore:
         if first >= last or state.load_sent:
             return 0, False
         t0 = time.perf_counter()
-        with self._hashing:
-            probe = state.probe(first)
+        probe = self.hasher.probe(state, first)
         if probe is not None and not self._leader.may_hold(probe):
             # a prefix match finds nothing: a miss without a round trip, and the request's blocks
             # are hashed when they are stored (off this thread for a big step: see step)
@@ -218,8 +137,7 @@ class SchedulerCore:
                 trace("prepare_load", req=request.request_id, asked=last - first, planned=0, ms=0.0,
                       hash_ms=round((time.perf_counter() - t0) * 1e3, 3), reused=0, unasked=True)
             return 0, False
-        with self._hashing:
-            keys = state.keys()
+        keys = self.hasher.keys(state)
         t1 = time.perf_counter()
         last = min(len(keys), last)
         if first >= last:
@@ -315,7 +233,7 @@ class SchedulerCore:
         self._fences.append(plan.fence)
         if self._early is not None and plan.loads:
             self._start_early(plan.loads)
-        spans: list[_Span] = []
+        spans: list[Span] = []
         blocks: list[EngineBlockId] = []
         owners: list[RequestId] = []
         for req_id, num_computed in computed.items():
@@ -325,7 +243,7 @@ class SchedulerCore:
             full = min(state.hashable_blocks(), num_computed // self.block_size, len(state.block_ids))
             if full > state.num_stored:
                 # the tokens of the blocks to key, read now (the request grows on this thread)
-                spans.append(_Span(state, state.request.all_token_ids[:full * self.block_size], state.num_stored))
+                spans.append(Span(state, state.request.all_token_ids[:full * self.block_size], state.num_stored, full))
                 blocks += state.block_ids[state.num_stored:full]
                 owners += [RequestId(req_id)] * (full - state.num_stored)
                 state.num_stored = full
@@ -338,25 +256,12 @@ class SchedulerCore:
         if self._planner is not None and len(blocks) >= self._planner.min_keys:
             for req_id in set(owners):
                 self._reqs[req_id].has_stores = True  # before the answer: see store_planner
-            self._planner.submit(lambda: self._span_keys(spans), blocks, owners)  # hashed on its thread too
+            self._planner.submit(lambda: self.hasher.span_keys(spans), blocks, owners)  # hashed on its thread too
         elif blocks:
-            keys = self._span_keys(spans)
+            keys = self.hasher.span_keys(spans)
             if keys is not None:
                 plan.stores.extend(self._store(keys, blocks, owners))
         return plan
-
-    def _span_keys(self, spans: list[_Span]) -> list[BlockHash] | None:
-        """The keys of the spans' blocks, in order (any thread); None when a request turned out
-        not to be keyable (a token id beyond 32 bits): then none of them is stored."""
-        out: list[BlockHash] = []
-        with self._hashing:
-            for span in spans:
-                keys = span.state.keys(span.tokens)
-                end = len(span.tokens) // self.block_size
-                if len(keys) < end:
-                    return None
-                out += keys[span.start:end]
-        return out
 
     def _start_early(self, loads: list[LoadSpec]) -> None:
         assert self._early is not None

@@ -21,7 +21,7 @@ MM_HASH_INTS = 8
 
 @dataclass
 class TokenView:
-    """The core's :class:`~kvbm_client.connectors.core.scheduler.EngineRequest` of one request.
+    """The core's :class:`~kvbm_client.connectors.core.request_keys.EngineRequest` of one request.
 
     Invariant: ``all_token_ids`` only grows, and is the prefix of the request's tokens that
     TensorRT-LLM has reported so far.

@@ -37,7 +37,8 @@ from typing import Any
 from ...logs import attach_engine_logging
 from ..core.early_loads import EarlyLoads, early_loads_decision
 from ..core.leader_link import LeaderLink, LeaderPort
-from ..core.scheduler import EngineRequest, SchedulerCore
+from ..core.request_keys import EngineRequest
+from ..core.scheduler import SchedulerCore
 from ..core.specs import RequestId, StepPlan
 from .compat import KvCacheConnectorScheduler, SchedulerOutput
 from .requests import TokenView, request_extras, request_id

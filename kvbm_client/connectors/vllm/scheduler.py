@@ -20,7 +20,8 @@ from typing import Any, Sequence
 from ...hashing import MultimodalSpan, RequestExtras
 from ..core.early_loads import EarlyLoads, early_loads_decision
 from ..core.leader_link import LeaderLink, LeaderPort
-from ..core.scheduler import EngineRequest, SchedulerCore
+from ..core.request_keys import EngineRequest
+from ..core.scheduler import SchedulerCore
 from ..core.settings import ConnectorSettings
 from ..core.store_planner import StorePlanner
 from .metadata import KvbmConnectorMetadata
