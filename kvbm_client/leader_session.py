@@ -126,25 +126,30 @@ class LeaderSession:
         False; the next ``PrepareLoad`` or ``PrepareStore`` tells the leader (its hit rates)."""
         self._unasked += blocks
 
-    def _take_unasked(self) -> int:
-        n, self._unasked = min(self._unasked, 0xFFFFFFFF), max(0, self._unasked - 0xFFFFFFFF)
-        return n
+    def _telling(self, name: str, request: Any) -> Any:
+        """``_call`` with the blocks :meth:`unasked` gathered put in ``request``; they are kept
+        for the next call if this one fails."""
+        told = request.unasked_blocks = min(self._unasked, 0xFFFFFFFF)
+        self._unasked -= told
+        try:
+            return self._call(name, request)
+        except KvbmError:
+            self._unasked += told
+            raise
 
     # ------------------------------------------------------------------ calls
     def prepare_load(self, hashes: Sequence[BlockHash], count_hit: bool = False,
                      tokens_per_block: int = 0, prefill_tokens_per_s: float = 0.0) -> TransferHandle:
         """Plan and pin the longest stored prefix of ``hashes`` (``count_hit``: also count the
         lookup; ``prefill_tokens_per_s`` > 0: only as far as loading beats recomputing)."""
-        resp = self._call("PrepareLoad", pb.PrepareLoadRequest(hashes=list(hashes), count_hit=count_hit,
-                                                              tokens_per_block=tokens_per_block,
-                                                              prefill_tokens_per_s=prefill_tokens_per_s,
-                                                              unasked_blocks=self._take_unasked()))
+        resp = self._telling("PrepareLoad", pb.PrepareLoadRequest(hashes=list(hashes), count_hit=count_hit,
+                                                                 tokens_per_block=tokens_per_block,
+                                                                 prefill_tokens_per_s=prefill_tokens_per_s))
         return load_handle(resp)
 
     def prepare_store(self, hashes: Sequence[BlockHash]) -> TransferHandle:
         """Plan slots for the entries of ``hashes`` not stored yet (``indices``: which)."""
-        resp = self._call("PrepareStore", pb.PrepareStoreRequest(hashes=list(hashes),
-                                                                unasked_blocks=self._take_unasked()))
+        resp = self._telling("PrepareStore", pb.PrepareStoreRequest(hashes=list(hashes)))
         return store_handle(resp)
 
     def release(self, handle: TransferHandle) -> None:

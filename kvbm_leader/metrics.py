@@ -40,6 +40,8 @@ COUNTERS = {
     "kvbm_g3_discarded_blocks": "G3 index entries discarded at restore (other layout, a rank's shard missing or "
                                 "rewritten, outside the G3 size)",
     "kvbm_g3_index_errors": "Batches of G3 index changes the leader could not write (full disk, I/O error)",
+    "kvbm_presence_filter_misses": "Looked-up blocks that clients answered as misses on the presence filter's word, "
+                                   "without asking (counted in the hit rates too)",
 }
 #: Levels, set by their owner (not monotonic).
 GAUGES = {

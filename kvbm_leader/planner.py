@@ -80,6 +80,7 @@ class RequestPlanner:
         ruled out their first block): they count as looked up, none matched."""
         if blocks:
             self.metrics.hits.add(blocks, 0, 0)
+            self.metrics.inc("kvbm_presence_filter_misses", blocks)
             log.debug("lookups answered by a client's presence filter: %d blocks, none stored", blocks)
 
     def _count_lookup(self, queried: int, result: MatchResult, tokens_per_block: int) -> None:

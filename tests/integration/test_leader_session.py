@@ -117,6 +117,7 @@ def test_the_presence_filter_rules_out_what_the_leader_does_not_hold_and_never_w
         session.unasked(6)
         session.release(session.prepare_load(keys, count_hit=True, tokens_per_block=16))
         assert abs(_host_hit_rate(node) - 12 / 18) < 1e-9
+        assert node.status().counters["kvbm_presence_filter_misses"] == 6
     node.stop()
     assert not path.exists(), "the leader removes its filter when it stops"
 

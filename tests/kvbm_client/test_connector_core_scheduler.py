@@ -390,3 +390,4 @@ def test_a_filter_that_rules_out_a_stored_first_block_only_costs_the_hit():
     core.assign_blocks("y", [0, 1, 2, 3, 4, 5], replace=True)
     plan = core.step({"y": 21})
     assert plan.loads == [] and not leader.released
+

@@ -72,3 +72,25 @@ def test_open_errors_name_the_leader():
     refused = SessionCore.open_error(FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many sessions"),
                                      "unix:/l.sock", 0.5)
     assert isinstance(refused, KvbmRequestError) and "too many sessions" in str(refused)
+
+
+def test_misses_the_filter_answered_are_told_with_the_next_call_or_kept_when_it_fails():
+    from kvbm_client.leader_session import LeaderSession
+    session = LeaderSession.__new__(LeaderSession)  # (no channel: _call is replaced below)
+    session._unasked = 0
+    sent: list[int] = []
+
+    def call(name, request):
+        sent.append(request.unasked_blocks)
+        if len(sent) == 1:
+            raise KvbmUnavailableError("leader down")
+        return pb.PrepareStoreResponse()
+
+    session._call = call
+    session.unasked(5)
+    session.unasked(7)
+    with pytest.raises(KvbmUnavailableError):
+        session.prepare_store([b"k" * 16])
+    session.prepare_store([b"k" * 16])
+    session.prepare_store([b"k" * 16])
+    assert sent == [12, 12, 0], "12 told once the call went through, not lost with the failed one"
