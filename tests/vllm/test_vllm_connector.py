@@ -28,6 +28,7 @@ def test_identical_outputs_and_hits_from_g2(vllm_python, tiny_model, baseline, k
     c = node.counters()
     assert c["kvbm_offload_blocks_d2h"] > 0 and c["kvbm_onboard_blocks_h2d"] > 0
     assert c["kvbm_onboard_blocks_h2d"] * 32 >= result["metrics"]["vllm:external_prefix_cache_hits"]
+    assert c["kvbm_presence_filter_misses"] > 0, "no cold lookup was answered by the presence filter"
     w = node.worker_status()
     # Loads were started early by the scheduler role and joined by the worker role, and each
     # was copied once: bytes per block loaded (worker) equal bytes per block stored.
