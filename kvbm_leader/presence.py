@@ -31,7 +31,7 @@ from typing import Collection
 import numpy as np
 
 from kvbm_client.ids import BlockHash
-from kvbm_client.presence import HEADER_BYTES, MIX, PROBES, check_slots, header, probes, words
+from kvbm_client.presence import HEADER_BYTES, MIX, PROBES, check_slots, header, words
 
 log = logging.getLogger("kvbm.leader")
 
@@ -123,10 +123,6 @@ class PresenceFilter:
         assert self._slots is not None, "closed"
         self._slots[:] = 0
         self._snapshot, self._next, self.stale, self.added = None, None, 0, 0
-
-    def may_hold(self, key: BlockHash) -> bool:
-        assert self._slots is not None, "closed"
-        return all(self._slots[i] for i in probes(key, int(self._mask)))
 
     def close(self) -> None:
         """Remove the file (clients keep their mapping of the last slots) and unmap it; idempotent."""

@@ -80,8 +80,6 @@ class LeaderService:
         self.metrics.track_bandwidth(self.costs.rates)
         self.sessions = SessionTable(SessionLimits(config.session_ttl_secs, config.max_session_ttl_secs,
                                                    config.max_sessions, config.max_name_bytes))
-        #: the clients' presence filter (kvbm_leader/presence.py), kept by the feed; None: none
-        self.presence = presence
         self.feed = KvEventFeed(events or NullEvents(), presence)
         signer = PlanSigner(self.leader_id, node_key.plan_key(self.leader_id))  # workers derive the same key
         self.ledger = JobLedger(config, self.placement, self.membership, self.metrics, self.feed, signer,
@@ -107,12 +105,13 @@ class LeaderService:
     # ------------------------------------------------------------------ sessions
     def open_session(self, client_name: str, ttl_ms: int) -> "pb.OpenSessionResponse":
         session = self.sessions.admit(client_name, ttl_ms, time.monotonic())
+        presence = self.feed.presence
         log.info("session %s opened by %s (TTL %gs)", session.session_id[:8], session.client_name, session.ttl)
         return pb.OpenSessionResponse(session_id=session.session_id, leader_id=self.leader_id,
                                       workers=worker_infos(self.membership), max_hashes=self.config.max_hashes,
                                       ttl_ms=int(session.ttl * 1000),
-                                      presence_path=self.presence.path if self.presence else "",
-                                      presence_slots=self.presence.slots if self.presence else 0)
+                                      presence_path=presence.path if presence else "",
+                                      presence_slots=presence.slots if presence else 0)
 
     async def close_session(self, session_id: SessionId) -> None:
         session = self.sessions.close(session_id)

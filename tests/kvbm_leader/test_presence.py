@@ -135,9 +135,10 @@ def test_slots_must_be_a_power_of_two_in_range(slots):
 def test_the_feed_adds_planned_blocks_counts_forgotten_ones_and_clears(pf):
     reg = BlockRegistry({Tier.HOST: 8})
     feed = KvEventFeed(NullEvents(), pf)
+    view = PresenceView.open(pf.path, MIN_SLOTS, LEADER)
     a, b = key(1), key(2)
     feed.planned([a, b])
-    assert pf.may_hold(a) and pf.may_hold(b)
+    assert view.may_hold(a) and view.may_hold(b)
     slot = reg.pools[Tier.HOST].allocator.allocate()
     assert slot is not None
     reg.add_copy_key(a, None, Tier.HOST, slot, JobId(1))
@@ -145,23 +146,24 @@ def test_the_feed_adds_planned_blocks_counts_forgotten_ones_and_clears(pf):
     feed.flush(reg)
     assert pf.stale == 1
     feed.restored([(key(3), None)])
-    assert pf.may_hold(key(3))
+    assert view.may_hold(key(3))
     feed.cleared()
-    assert not pf.may_hold(b) and not pf.may_hold(key(3)) and pf.stale == 0
+    assert not view.may_hold(b) and not view.may_hold(key(3)) and pf.stale == 0
 
 
 def test_rebuilds_advance_on_the_leaders_tick_not_on_a_requests_flush(pf, monkeypatch):
     monkeypatch.setattr(presence_mod, "MIN_STALE", 1)
     monkeypatch.setattr(presence_mod, "FILL_TO_REBUILD", 0.001)
+    view = PresenceView.open(pf.path, MIN_SLOTS, LEADER)
     reg = BlockRegistry({Tier.HOST: 8})
     feed = KvEventFeed(NullEvents(), pf)
     gone = [key(i) for i in range(50)]
     feed.planned(gone)
     pf.gone(len(gone))  # (forgotten, as a flush reports them)
     feed.flush(reg)
-    assert pf.rebuilds == 0 and all(pf.may_hold(k) for k in gone), "a request's flush rebuilds nothing"
+    assert pf.rebuilds == 0 and all(view.may_hold(k) for k in gone), "a request's flush rebuilds nothing"
     feed.tick(reg)
-    assert pf.rebuilds == 1 and sum(pf.may_hold(k) for k in gone) == 0
+    assert pf.rebuilds == 1 and sum(view.may_hold(k) for k in gone) == 0
 
 
 @pytest.mark.parametrize("lengths", [(16,), (8,), (3, 8, 16, 20, 9)])

@@ -7,7 +7,8 @@ and, for a big step's new blocks, on the store planner's thread (:mod:`.store_pl
 identity and the cache are used under its one lock. A lookup hashes no further than the first
 block it asks about until the leader's presence filter says that block may be stored
 (:meth:`KeyHasher.probe`); a step's blocks are keyed from a snapshot of their tokens taken on the
-scheduler's thread (:class:`Span`), so a request that grows meanwhile changes nothing.
+scheduler's thread when they are hashed on another (:class:`Span`), so a request that grows
+meanwhile changes nothing.
 """
 from __future__ import annotations
 
@@ -88,8 +89,9 @@ class RequestState:
 
 
 class Span(NamedTuple):
-    """A step's new full blocks of one request: blocks ``start`` to ``end`` of the tokens
-    ``tokens`` (its first ``end`` blocks' tokens, read when the step was built)."""
+    """A step's new full blocks of one request: its blocks ``start`` to ``end``, keyed from
+    ``tokens`` (its tokens from the start, at least ``end`` blocks of them: the request's own
+    list on the scheduler's thread, a snapshot of them on another)."""
 
     state: RequestState
     tokens: Sequence[int]

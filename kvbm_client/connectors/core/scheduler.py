@@ -233,7 +233,7 @@ class SchedulerCore:
         self._fences.append(plan.fence)
         if self._early is not None and plan.loads:
             self._start_early(plan.loads)
-        spans: list[Span] = []
+        spans: list[Span] = []  # (their tokens: the requests' own lists, read on this thread)
         blocks: list[EngineBlockId] = []
         owners: list[RequestId] = []
         for req_id, num_computed in computed.items():
@@ -242,8 +242,7 @@ class SchedulerCore:
                 continue
             full = min(state.hashable_blocks(), num_computed // self.block_size, len(state.block_ids))
             if full > state.num_stored:
-                # the tokens of the blocks to key, read now (the request grows on this thread)
-                spans.append(Span(state, state.request.all_token_ids[:full * self.block_size], state.num_stored, full))
+                spans.append(Span(state, state.request.all_token_ids, state.num_stored, full))
                 blocks += state.block_ids[state.num_stored:full]
                 owners += [RequestId(req_id)] * (full - state.num_stored)
                 state.num_stored = full
@@ -256,7 +255,10 @@ class SchedulerCore:
         if self._planner is not None and len(blocks) >= self._planner.min_keys:
             for req_id in set(owners):
                 self._reqs[req_id].has_stores = True  # before the answer: see store_planner
-            self._planner.submit(lambda: self.hasher.span_keys(spans), blocks, owners)  # hashed on its thread too
+            # hashed on its thread too, from the tokens of those blocks read now (the requests grow
+            # on this thread meanwhile)
+            snapshot = [span._replace(tokens=span.tokens[:span.end * self.block_size]) for span in spans]
+            self._planner.submit(lambda: self.hasher.span_keys(snapshot), blocks, owners)
         elif blocks:
             keys = self.hasher.span_keys(spans)
             if keys is not None:

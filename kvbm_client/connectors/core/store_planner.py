@@ -35,7 +35,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Callable, Union
+from typing import Callable
 
 from ...handles import TransferHandle
 from ...ids import BlockHash, EngineBlockId
@@ -59,8 +59,8 @@ def store_spec(handle: TransferHandle | None, blocks: list[EngineBlockId],
                      deadline=handle.deadline)
 
 
-#: a step's keys, or how to hash them (on the planner's thread; None: not keyable, store nothing)
-Keys = Union[list[BlockHash], Callable[[], "list[BlockHash] | None"]]
+#: how to hash a step's keys, called on the planner's thread (None: not keyable, store nothing)
+Keys = Callable[[], "list[BlockHash] | None"]
 
 
 @dataclass
@@ -95,16 +95,16 @@ class StorePlanner:
         self._asked: _Asked | None = None
 
     def submit(self, keys: Keys, blocks: list[EngineBlockId], owners: list[RequestId]) -> None:
-        """Ask for the stores of ``keys`` (entry i: block ``blocks[i]`` of request ``owners[i]``;
-        a callable is called on the planner's thread: the blocks are hashed there, off the
-        scheduler's; None from it: nothing to store). The previous step's must have been collected."""
+        """Ask for the stores of the blocks ``keys()`` keys (entry i: block ``blocks[i]`` of request
+        ``owners[i]``), calling it on the planner's thread: the blocks are hashed there, off the
+        scheduler's (None from it: nothing to store). The previous step's must have been collected."""
         assert self._asked is None, "collect() the previous step's stores first"
         self._asked = _Asked(self._thread.submit(self._ask, keys), blocks, owners, time.perf_counter())
 
     def _ask(self, keys: Keys) -> TransferHandle | None:
         t0 = time.perf_counter()
         try:
-            hashed = keys() if callable(keys) else keys
+            hashed = keys()
             t1 = time.perf_counter()
             if hashed is None:
                 return None
