@@ -68,6 +68,11 @@
 #   coldf20   the cold target, eager, 3 passes: vLLM alone, kvbm asking the leader for every lookup
 #             (ours_layerwise_nofilter, before the twelfth session), kvbm's default (a cold lookup
 #             answered by the leader's presence filter, no round trip)
+#   coldnull20  the cold target, eager, 3 passes: vLLM alone, vLLM with a connector that does nothing
+#             (null: null_connector.py, what any connector costs inside vLLM), kvbm's default, kvbm on
+#             vLLM's per-layer KV tensors (ours_layerwise_perlayer)
+#   sync8g    8K, CUDA graphs, 2 passes: LMCache, kvbm layerwise (PIECEWISE graphs: its layer hooks run
+#             between the pieces), kvbm synchronous (ours_sync: no layer hooks, vLLM's FULL_AND_PIECEWISE)
 #   spy20g    20K graphs, LMCache then kvbm, each engine process sampled by py-spy (spy20g_<pid>.txt:
 #             why kvbm's forward costs the engine's thread more CPU than LMCache's under graphs)
 #   interference  wait_copy_interference.py: a load's host -> GPU copy alone and beside another process's
@@ -133,6 +138,10 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
                 >"$R/$s.log" 2>&1 ;;
     coldf20) KVBM_CONNECTOR_TRACE=$R/t20k_$s.jsonl $T "$R/ttft20k_$s.jsonl" \
                 baseline,ours_layerwise_nofilter,ours_layerwise $A20 $H --timeout 300 --passes 3 >"$R/$s.log" 2>&1 ;;
+    coldnull20) KVBM_CONNECTOR_TRACE=$R/t20k_$s.jsonl $T "$R/ttft20k_$s.jsonl" \
+                baseline,null,ours_layerwise,ours_layerwise_perlayer $A20 $H --timeout 300 --passes 3 >"$R/$s.log" 2>&1 ;;
+    sync8g) KVBM_CONNECTOR_TRACE=$R/t8k_$s.jsonl $T "$R/ttft8k_$s.jsonl" \
+                lmcache,ours_layerwise,ours_sync $H --timeout 600 --cuda-graphs --passes 2 >"$R/$s.log" 2>&1 ;;
     stresslazy|stresstail) V=true; N=stress_lazy_gpuwait; [ $s = stresstail ] && V='"tail"' && N=stress_tail
               python3 -m tests.stress.run --users 12 --turns 3 --gpu 0 --async-scheduling on --block-size 16 \
               --dtype float32 --load-mode layerwise --kvbm-extra "{\"gpu_layer_waits\": $V}" --passes none \

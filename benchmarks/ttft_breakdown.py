@@ -52,6 +52,8 @@ from typing import Callable, Iterator
 
 from peer_passes import slots, summarize, summary_line
 
+#: systems that are no peer to beat: vLLM alone, vLLM recomputing, vLLM with a connector that does nothing
+NOT_PEERS = ("baseline", "recompute", "null")
 FIELDS = ("ttft", "front", "lookup", "to_copy", "head_start", "wait", "after_load", "ret", "store_prep", "alloc",
           "copy", "layer_wait", "first_group", "last_group", "settle", "forward",
           "forward_cpu", "copy_start", "gpu_waits", "blocks")
@@ -160,7 +162,7 @@ def table(runs: list[dict]) -> None:
     several = any(len(s["passes"]) > 1 for s in sums)
     print(f"{'system':<11} {'p50 ms':>7} {'p90 ms':>7} {'from cache':>10}  ratio to the best peer"
           + ("  (medians over the passes)" if several else ""))
-    peers = [s for s in sums if s["system"] not in ("baseline", "recompute") and not s["system"].startswith("ours")]
+    peers = [s for s in sums if s["system"] not in NOT_PEERS and not s["system"].startswith("ours")]
     best = min((s["warm_ttft_p50_median"] for s in peers if s["warm_ttft_p50_median"] is not None), default=None)
     for s in sums:
         if s["warm_ttft_p50_median"] is None:
@@ -170,10 +172,26 @@ def table(runs: list[dict]) -> None:
         ratio = f"{s['warm_ttft_p50_median'] / best:.2f}x" if best else "-"
         print(f"{s['summary']:<11} {s['warm_ttft_p50_median'] * 1e3:7.1f} {s['warm_ttft_p90_median'] * 1e3:7.1f} "
               f"{cached * 100:9.1f}%  {ratio}")
+    cold_table(runs)
     if several:
         print("\nper pass:")
         for s in sums:
             print(summary_line(s))
+
+
+def cold_table(runs: list[dict]) -> None:
+    """Cold TTFT (the mean of round 0 per pass, the median over the passes) beside vLLM alone
+    (``baseline``) where it ran: the cold target's numbers."""
+    cold: dict[str, list[float]] = {}
+    for r in runs:
+        if "rows" in r and r.get("cold_ttft_mean") is not None:
+            cold.setdefault(r["slot"], []).append(r["cold_ttft_mean"] * 1e3)
+    base = statistics.median(cold["baseline"]) if "baseline" in cold else None
+    print("\ncold (round 0's mean per pass; median over the passes, each pass's value)")
+    for slot, values in cold.items():
+        m = statistics.median(values)
+        vs = f"  {(m / base - 1) * 100:+.1f} % vs vLLM alone" if base and slot != "baseline" else ""
+        print(f"{slot:<11} {m:7.1f} ms  ({' '.join(f'{v:.1f}' for v in values)}){vs}")
 
 
 def main() -> None:

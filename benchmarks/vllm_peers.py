@@ -86,7 +86,7 @@ OURS = {"ours": {}, "ours_sync": {"load_mode": "sync"}, "ours_async": {"load_mod
         "ours_layerwise_syncstore": {"load_mode": "layerwise", "async_store_plans": False},
         "ours_layerwise_perlayer": {"load_mode": "layerwise", "cross_layer_blocks": False},
         "ours_layerwise_nofilter": {"load_mode": "layerwise", "presence_filter": False}}
-SYSTEMS = ("recompute", "baseline", "native", "lmcache", "lmcache_timed", "dynamo", *OURS)
+SYSTEMS = ("recompute", "baseline", "null", "native", "lmcache", "lmcache_timed", "dynamo", *OURS)
 
 
 def system_kwargs(name, g2_gb, pass_index=0):
@@ -109,6 +109,10 @@ def system_kwargs(name, g2_gb, pass_index=0):
                                        "kv_connector_module_path": "benchmarks.peer_timing"}
         env.update(LMCACHE_LOCAL_CPU="True", LMCACHE_MAX_LOCAL_CPU_SIZE=str(g2_gb), LMCACHE_CHUNK_SIZE="256",
                    LMCACHE_USE_EXPERIMENTAL="True")
+    elif name == "null":
+        # a connector that does nothing (null_connector.py): vLLM's own cost of running one
+        kw["kv_transfer_config"] = {"kv_connector": "NullConnector", "kv_role": "kv_both",
+                                    "kv_connector_module_path": "benchmarks.null_connector"}
     elif name == "dynamo":
         kw["kv_transfer_config"] = {"kv_connector": "DynamoConnector", "kv_role": "kv_both",
                                     "kv_connector_module_path": "kvbm.vllm_integration.connector"}

@@ -113,3 +113,27 @@ def test_the_committed_run_4_reads_as_before():
     assert "lmcache        79.7   113.6      98.7%  1.00x" in out
     assert "ours: 10 warm requests (median" in out and "ours_async: 10 warm requests" in out
     assert "  wait           56.3    54.8    60.8" in out
+
+
+def test_the_cold_table_compares_with_vllm_alone_and_null_is_no_peer(tmp_path, monkeypatch, capsys):
+    """Round 0's mean per pass, the median over the passes, and its distance from vLLM alone; the
+    connector that does nothing is not the best peer however fast its warm requests are."""
+    runs = []
+    for p, (base, null, ours) in enumerate([(0.480, 0.490, 0.495), (0.490, 0.500, 0.505), (0.500, 0.495, 0.500)]):
+        for system, cold, warm in (("baseline", base, 0.480), ("null", null, 0.050), ("ours", ours, 0.090),
+                                   ("lmcache", 0.560, 0.100)):
+            run = engine_run(system, p, 1000.0 * p + len(runs), warm)
+            run.update(cold_ttft_mean=cold, slot=system)
+            runs.append(run)
+    results = tmp_path / "r.jsonl"
+    results.write_text("".join(json.dumps(x) + "\n" for x in [{"provenance": {}}, *runs]))
+    (tmp_path / "t.jsonl").write_text("")
+    out = breakdown_main(monkeypatch, capsys, str(results), str(tmp_path / "t.jsonl"), "--systems", "")
+    cold = out.split("cold (")[1].split("\n\n")[0]
+    lines = {line.split()[0]: line for line in cold.splitlines()[1:]}
+    assert lines["baseline"].split()[1] == "490.0" and "vs vLLM alone" not in lines["baseline"]
+    assert lines["null"].split()[1] == "495.0" and "+1.0 % vs vLLM alone" in lines["null"]
+    assert lines["ours"].split()[1] == "500.0" and "+2.0 % vs vLLM alone" in lines["ours"]
+    assert "(495.0 505.0 500.0)" in lines["ours"]
+    table = out.split("cold (")[0]
+    assert "ours" in table and "0.90x" in table  # against LMCache's 100 ms, not null's 50

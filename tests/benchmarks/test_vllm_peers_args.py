@@ -37,10 +37,23 @@ def test_eager_is_the_default_mode():
     assert kw["enforce_eager"] is True and "compilation_config" not in kw
 
 
-@pytest.mark.parametrize("system", ["baseline", "native", "lmcache", "ours", "ours_sync", "ours_async"])
+@pytest.mark.parametrize("system", ["baseline", "null", "native", "lmcache", "ours", "ours_sync", "ours_async"])
 def test_cuda_graphs_leave_compilation_and_graph_mode_to_vllm(system):
     kw = vllm_peers.base_engine_kwargs(vllm_peers.parse_args(["--engine", "--system", system, "--cuda-graphs"]))
     assert kw["enforce_eager"] is False and "compilation_config" not in kw
+
+
+def test_the_null_system_runs_the_connector_that_does_nothing():
+    kw, env = vllm_peers.system_kwargs("null", 24.0)
+    assert kw == {"kv_transfer_config": {"kv_connector": "NullConnector", "kv_role": "kv_both",
+                                         "kv_connector_module_path": "benchmarks.null_connector"}}
+    assert env == {}
+    sys.path.insert(0, str(Path(vllm_peers.__file__).resolve().parents[1]))
+    import benchmarks.null_connector as null  # the module path vLLM imports; the class needs vLLM
+    with pytest.raises(ImportError):
+        null.NullConnector  # noqa: B018
+    with pytest.raises(AttributeError):
+        null.OtherConnector  # noqa: B018
 
 
 def test_cuda_graphs_are_piecewise_for_a_connector_with_layer_hooks():
