@@ -54,6 +54,8 @@ from peer_passes import slots, summarize, summary_line
 
 #: systems that are no peer to beat: vLLM alone, vLLM recomputing, vLLM with a connector that does nothing
 NOT_PEERS = ("baseline", "recompute", "null")
+#: the peers' systems whose hooks are traced (``peer_timing.py``, ``null_connector.py``)
+TRACED_PEERS = ("lmcache_timed", "null")
 FIELDS = ("ttft", "front", "lookup", "to_copy", "head_start", "wait", "after_load", "ret", "store_prep", "alloc",
           "copy", "layer_wait", "first_group", "last_group", "settle", "forward",
           "forward_cpu", "copy_start", "gpu_waits", "blocks")
@@ -198,11 +200,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("results")
     ap.add_argument("trace")
-    ap.add_argument("--systems", default="ours,ours_sync,ours_async,ours_layerwise,ours_layerwise_noearly,"
-                    "ours_layerwise_cpuwait,ours_layerwise_gpuwait,ours_layerwise_tail,ours_layerwise_eager,ours_layerwise_g4,"
-                    "ours_layerwise_g3,ours_layerwise_syncstore,ours_layerwise_perlayer,"
-                    "lmcache_timed",
-                    help="the traced systems to break down")
+    ap.add_argument("--systems", default=None,
+                    help="the traced systems to break down, comma-separated (default: every kvbm system of the "
+                         "file, lmcache_timed and null)")
     ap.add_argument("--pass", dest="pass_index", type=int, default=None,
                     help="this pass alone (default: every pass, the breakdown pools their warm requests)")
     args = ap.parse_args()
@@ -212,7 +212,9 @@ def main() -> None:
                          + (f" for pass {args.pass_index}" if args.pass_index is not None else ""))
     table(runs)
     events = [json.loads(line) for line in open(args.trace)]
-    for name in args.systems.split(","):
+    names = args.systems.split(",") if args.systems is not None else \
+        list(dict.fromkeys(r["slot"] for r in runs if r["slot"].startswith("ours") or r["slot"] in TRACED_PEERS))
+    for name in names:
         parts: list[dict] = []
         mine = [r for r in runs if r["slot"] == name and "rows" in r]
         for run in mine:
@@ -227,6 +229,55 @@ def main() -> None:
         for k in (PEER_FIELDS if name == "lmcache_timed" else FIELDS):
             v = [p[k] for p in parts]
             print(f"  {k:<11} {statistics.median(v):7.1f} {min(v):7.1f} {max(v):7.1f}")
+    cold_timelines(runs, events, [n for n in names if n != "lmcache_timed"])
+
+
+#: the engine's step timeline of a cold request, from kvbm's trace (``step``, ``step_forward``) or the
+#: null connector's (``null_step``, ``null_forward``): when the lookup answered, when each step was
+#: planned (ms after the request was sent), each step's forward on the engine's thread (wall, CPU),
+#: and the first token after the last step was planned
+COLD_FIELDS = ("ttft", "lookup_at", "step1_at", "step2_at", "fwd1", "fwd1_cpu", "fwd2", "fwd2_cpu", "after_last")
+COLD_EVENTS = {"null": ("null_lookup", "null_step", "null_forward")}
+KVBM_COLD_EVENTS = ("prepare_load", "step", "step_forward")
+
+
+def cold_timeline(rows: list[dict], events: list[dict], names: tuple[str, str, str]) -> list[dict]:
+    """Per cold request (round 0) but the first (the engine's first request): see :data:`COLD_FIELDS`
+    (nan where the trace has no such event)."""
+    lookup, step, forward = names
+    nan = float("nan")
+    out = []
+    for r in [r for r in rows if r["round"] == 0][1:]:
+        t0, t1 = r["t0"], r["t0"] + r["ttft_s"]
+        mine = [e for e in events if t0 <= e["t"] <= t1 + 0.002]
+        pick = lambda what: [e for e in mine if e["what"] == what]  # noqa: E731
+        lookups, steps, fwds = pick(lookup), [e for e in pick(step) if e["t"] <= t1], pick(forward)
+        at = lambda es, i: (es[i]["t"] - t0) * 1e3 if len(es) > i else nan  # noqa: E731
+        ms = lambda i, k: fwds[i][k] if len(fwds) > i else nan  # noqa: E731
+        out.append({"ttft": r["ttft_s"] * 1e3, "lookup_at": at(lookups, 0), "step1_at": at(steps, 0),
+                    "step2_at": at(steps, 1), "fwd1": ms(0, "ms"), "fwd1_cpu": ms(0, "cpu_ms"),
+                    "fwd2": ms(1, "ms"), "fwd2_cpu": ms(1, "cpu_ms"),
+                    "after_last": (t1 - steps[-1]["t"]) * 1e3 if steps else nan})
+    return out
+
+
+def cold_timelines(runs: list[dict], events: list[dict], names: list[str]) -> None:
+    """The cold timeline's medians per system (``names``: kvbm's and the null connector's)."""
+    lines = []
+    for name in names:
+        parts: list[dict] = []
+        for run in [r for r in runs if r["slot"] == name and "rows" in r]:
+            pid = trace_pid(run, events)
+            if pid is not None:
+                parts += cold_timeline(run["rows"], [e for e in events if e["pid"] == pid],
+                                       COLD_EVENTS.get(name, KVBM_COLD_EVENTS))
+        if parts:
+            lines.append(f"{name:<11} " + " ".join(f"{statistics.median(p[k] for p in parts):9.1f}"
+                                                   for k in COLD_FIELDS) + f"  ({len(parts)})")
+    if lines:
+        print("\ncold requests' timeline (medians, ms; the requests counted in brackets)")
+        print(f"{'system':<11} " + " ".join(f"{k:>9}" for k in COLD_FIELDS))
+        print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -137,3 +137,26 @@ def test_the_cold_table_compares_with_vllm_alone_and_null_is_no_peer(tmp_path, m
     assert "(495.0 505.0 500.0)" in lines["ours"]
     table = out.split("cold (")[0]
     assert "ours" in table and "0.90x" in table  # against LMCache's 100 ms, not null's 50
+
+
+def test_the_cold_timeline_lines_up_kvbm_and_the_null_connector():
+    """Per cold request but the engine's first: the lookup, each step and its forward, and the
+    first token after the last step; kvbm's event names and the null connector's."""
+    rows = [{"round": 0, "user": u, "t0": 100.0 + u, "ttft_s": 0.480, "rows": None} for u in range(3)] + \
+           [{"round": 1, "user": 0, "t0": 200.0, "ttft_s": 0.090}]
+    ev = lambda what, t, **kw: {"what": what, "pid": 1, "t": t, **kw}  # noqa: E731
+    kvbm, null = [], []
+    for u in range(3):
+        t0 = 100.0 + u
+        kvbm += [ev("prepare_load", t0 + 0.008, ms=0.0), ev("step", t0 + 0.022, store_keys=1024),
+                 ev("step_forward", t0 + 0.060, ms=30.0, cpu_ms=28.0), ev("step", t0 + 0.062, store_keys=234),
+                 ev("step_forward", t0 + 0.100, ms=12.0, cpu_ms=11.0)]
+        null += [ev("null_lookup", t0 + 0.007), ev("null_step", t0 + 0.012, tokens=16384),
+                 ev("null_forward", t0 + 0.050, ms=29.0, cpu_ms=27.0), ev("null_step", t0 + 0.052, tokens=3700)]
+    kvbm.append(ev("step", 100.0 + 2 + 0.6, store_keys=0))  # after the first token: not this request's
+    (first, second) = ttft_breakdown.cold_timeline(rows, kvbm, ttft_breakdown.KVBM_COLD_EVENTS)
+    assert first == pytest.approx({"ttft": 480.0, "lookup_at": 8.0, "step1_at": 22.0, "step2_at": 62.0, "fwd1": 30.0,
+                                   "fwd1_cpu": 28.0, "fwd2": 12.0, "fwd2_cpu": 11.0, "after_last": 418.0})
+    (n1, _) = ttft_breakdown.cold_timeline(rows, null, ttft_breakdown.COLD_EVENTS["null"])
+    assert (n1["lookup_at"], n1["step1_at"], n1["step2_at"], n1["fwd1"]) == pytest.approx((7.0, 12.0, 52.0, 29.0))
+    assert n1["fwd2"] != n1["fwd2"], "no second forward traced: nan"

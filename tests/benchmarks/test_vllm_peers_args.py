@@ -86,6 +86,8 @@ def test_kvbm_gets_a_fresh_namespace_in_every_later_pass(monkeypatch):
     assert extra("ours_async", 0) == {"load_mode": "async", "namespace": "ours_async"}
     assert extra("ours_async", 2) == {"load_mode": "async", "namespace": "ours_async_pass2"}
     assert extra("ours_sync", 0) == {"load_mode": "sync", "namespace": "ours_sync"}
+    assert extra("ours_layerwise_nostore", 1) == {"load_mode": "layerwise", "store_blocks": False,
+                                                  "namespace": "ours_layerwise_nostore_pass1"}
     ktc = json.loads(OURS_KTC)
     ktc["kv_connector_extra_config"] = {"namespace": "mine", "load_mode": "sync"}
     monkeypatch.setenv("OURS_KTC", json.dumps(ktc))

@@ -89,8 +89,10 @@ class FakeEarly:
         pass
 
 
-def make(leader: FakeLeader, mode: str = "sync", early=None, overlapping_steps: int = 1) -> SchedulerCore:
-    settings = ConnectorSettings("unix:/l", "unix:/w-{id}", "model|float16|4", 1.0, 1.0, load_mode=mode)
+def make(leader: FakeLeader, mode: str = "sync", early=None, overlapping_steps: int = 1,
+         store_blocks: bool = True) -> SchedulerCore:
+    settings = ConnectorSettings("unix:/l", "unix:/w-{id}", "model|float16|4", 1.0, 1.0, load_mode=mode,
+                                 store_blocks=store_blocks)
     return SchedulerCore(BS, settings, leader, lambda r: r.extras, early, overlapping_steps=overlapping_steps)
 
 
@@ -119,6 +121,17 @@ def test_every_completed_block_is_stored_once_in_one_call_per_step():
     plan = core.step({"a": 12, "b": 13})
     assert plan.stores[0].engine_blocks == [9] and plan.stores[0].req_ids == ["a"]
     assert len(leader.calls[-1][1]) == 1, "blocks already stored are not offered again"
+
+
+def test_an_engine_that_does_not_store_blocks_still_loads_hits_and_never_asks_to_store():
+    leader = FakeLeader()
+    run_prefill(make(leader), Request("x", list(range(21))), [0, 1, 2, 3, 4, 5])  # a storing engine
+    reader = make(leader, store_blocks=False)
+    tokens, plan = run_prefill(reader, Request("y", list(range(21)) + list(range(900, 912))), list(range(10, 19)))
+    assert tokens == 5 * BS and [x.engine_blocks for x in plan.loads] == [[10, 11, 12, 13, 14]]
+    assert plan.stores == [] and plan.earlier_stores == [] and not plan.fence
+    assert leader.names() == ["prepare_load", "prepare_store", "prepare_load"], "no PrepareStore of its own"
+    assert reader.finished("y") is False, "no store of it in flight: its blocks are freed at once"
 
 
 def test_a_hit_is_loaded_into_the_blocks_after_the_local_prefix_and_not_stored_again():

@@ -2,6 +2,7 @@
 layer names to pages, one wait per layer that needs more pages, and the step's settlement."""
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -91,3 +92,22 @@ def test_steps_without_layerwise_loads_never_wait_in_the_hooks(mode):
     w.start_stores(StepPlan())  # type: ignore[arg-type]
     assert not [c for c in core.calls if c[0] in ("pages", "settle")]
     assert core.calls[1] == ("start", 0 if mode is LoadMode.LAYERWISE else 1, mode is not LoadMode.LAYERWISE)
+
+
+def test_the_trace_times_every_steps_forward_and_names_those_that_loaded(tmp_path, monkeypatch):
+    """Traced: a step that loaded gives "forward" (the warm breakdown's), one that did not
+    "step_forward" (the cold breakdown's); untraced, neither."""
+    from kvbm_client.connectors.core import tracing
+    path = tmp_path / "trace.jsonl"
+    w, _ = worker(LoadMode.LAYERWISE)
+    w.start_loads(step(0))  # type: ignore[arg-type]
+    w.start_stores(StepPlan())  # type: ignore[arg-type]
+    assert not path.exists()
+    monkeypatch.setattr(tracing, "TRACE_PATH", str(path))
+    for loads in (1, 0):
+        w.start_loads(step(loads))  # type: ignore[arg-type]
+        w.wait_layer("l2")
+        w.start_stores(StepPlan())  # type: ignore[arg-type]
+    events = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [e["what"] for e in events] == ["layer_waits", "forward", "step_forward"]
+    assert all(e["ms"] >= 0 and e["cpu_ms"] >= 0 for e in events[1:])

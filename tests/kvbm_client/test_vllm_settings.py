@@ -73,3 +73,12 @@ def test_an_async_store_threshold_below_one_block_is_refused(settings, value):
 def test_the_presence_filter_is_used_unless_turned_off(settings, value, expected):
     extra = {} if value is None else {"presence_filter": value}
     assert settings.ConnectorSettings.from_extra(extra, "ns").presence_filter is expected
+
+
+@pytest.mark.parametrize("value,expected", [(None, True), ("false", False), (False, False), ("1", True)])
+def test_blocks_are_stored_unless_turned_off(settings, value, expected):
+    extra = {} if value is None else {"store_blocks": value}
+    assert settings.ConnectorSettings.from_extra(extra, "ns").store_blocks is expected
+    if value is None:
+        with pytest.raises(ValueError, match="store_blocks='maybe': true or false"):
+            settings.ConnectorSettings.from_extra({"store_blocks": "maybe"}, "ns")

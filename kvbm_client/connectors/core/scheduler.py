@@ -236,7 +236,7 @@ class SchedulerCore:
         spans: list[Span] = []  # (their tokens: the requests' own lists, read on this thread)
         blocks: list[EngineBlockId] = []
         owners: list[RequestId] = []
-        for req_id, num_computed in computed.items():
+        for req_id, num_computed in computed.items() if self.settings.store_blocks else ():
             state = self._reqs.get(RequestId(req_id))
             if state is None:
                 continue
@@ -246,8 +246,9 @@ class SchedulerCore:
                 blocks += state.block_ids[state.num_stored:full]
                 owners += [RequestId(req_id)] * (full - state.num_stored)
                 state.num_stored = full
-        if tracing() and (plan.loads or blocks):
-            trace("step", loads=[(x.req_id, len(x.engine_blocks), x.sync) for x in plan.loads], store_keys=len(blocks))
+        if tracing():
+            trace("step", loads=[(x.req_id, len(x.engine_blocks), x.sync) for x in plan.loads], store_keys=len(blocks),
+                  tokens=num_tokens)
         if self._planner is not None and self._planner.pending:
             spec = self._planner.collect()  # the previous step's: sent before this step's forward
             if spec is not None:

@@ -129,6 +129,9 @@ class ConnectorSettings:
     #: answer a lookup whose first block the leader's presence filter rules out as a miss,
     #: without a round trip (:mod:`kvbm_client.presence`); false: every lookup asks the leader
     presence_filter: bool = True
+    #: offload the engine's computed blocks (write-through to G2); false: this engine only loads
+    #: hits and never writes to the node's cache (a read-only consumer)
+    store_blocks: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "load_mode", _load_mode(self.load_mode))
@@ -166,7 +169,8 @@ class ConnectorSettings:
                    async_store_min_blocks=_int("async_store_min_blocks", extra.get("async_store_min_blocks",
                                                                        DEFAULT_ASYNC_STORE_MIN_BLOCKS)),
                    cross_layer_blocks=_flag("cross_layer_blocks", extra.get("cross_layer_blocks", True)),
-                   presence_filter=_flag("presence_filter", extra.get("presence_filter", True)))
+                   presence_filter=_flag("presence_filter", extra.get("presence_filter", True)),
+                   store_blocks=_flag("store_blocks", extra.get("store_blocks", True)))
 
     @property
     def sync_loads(self) -> bool:

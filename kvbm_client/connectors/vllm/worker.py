@@ -110,7 +110,8 @@ class KvbmConnectorWorker:
         self._hooks_ran = False  # a layer hook of this step's forward ran (it waited for its pages)
         self._waited_end = 0  # pages the forward waited for in this step
         self._waited_s = 0.0
-        self._forward_from: tuple[float, float] | None = None  # (traced) a step with loads: its forward began
+        #: (traced) when the step's forward began, wall and CPU, and whether it loaded ("forward" vs "step_forward")
+        self._forward_from: tuple[float, float, bool] | None = None
         self._bound: Any = None  # the last plan whose earlier steps' stores were sent (see bind)
 
     def set_region(self, spec: RegionSpecLike | None, cuda: bool = False,
@@ -150,7 +151,7 @@ class KvbmConnectorWorker:
         self.core.start_loads(meta.loads, wait=not self.layerwise, ready=ready)
         self._pending = self.layerwise and bool(meta.loads)
         self._hooks_ran, self._waited_end, self._waited_s = False, 0, 0.0
-        self._forward_from = (time.perf_counter(), time.thread_time()) if meta.loads and tracing() else None
+        self._forward_from = (time.perf_counter(), time.thread_time(), bool(meta.loads)) if tracing() else None
 
     def wait_layer(self, layer_name: str) -> None:
         """vLLM's ``wait_for_layer_load``: the layer's pages of this step's loads landed."""
@@ -205,9 +206,9 @@ class KvbmConnectorWorker:
         step's own stores (those of earlier steps' blocks went at :meth:`bind`)."""
         self.settle_layers()
         if self._forward_from is not None:  # the engine's thread from its loads' start to here, wall and CPU
-            wall, cpu = self._forward_from
+            wall, cpu, loads = self._forward_from
             self._forward_from = None
-            trace("forward", ms=round((time.perf_counter() - wall) * 1e3, 2),
+            trace("forward" if loads else "step_forward", ms=round((time.perf_counter() - wall) * 1e3, 2),
                   cpu_ms=round((time.thread_time() - cpu) * 1e3, 2))
         if meta.stores:
             self.core.start_stores(meta.stores, self._kv_written() if self.cuda else None)
