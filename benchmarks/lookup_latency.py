@@ -51,9 +51,11 @@ from kvbm_client.local_node import LocalNode, isolated_env
 REPO = Path(__file__).resolve().parents[1]
 
 
-def one_pass(src: Path, blocks: int, reps: int, op: str = "load", node_env: dict[str, str] | None = None) -> list[float]:
+def one_pass(src: Path, blocks: int, reps: int, op: str = "load", node_env: dict[str, str] | None = None,
+             false_maybe: list[int] | None = None) -> list[float]:
     """Lookup (``op`` load) or store-planning (store) round trips (ms) against a node run from ``src``
-    (``node_env``: more ``DYN_KVBM_*`` settings of its daemons)."""
+    (``node_env``: more ``DYN_KVBM_*`` settings of its daemons; ``false_maybe``: where ``miss_filter``
+    appends its count of the filter's "maybe" answers for keys never stored)."""
     with tempfile.TemporaryDirectory(prefix="kvbm-lookup-", dir="/tmp") as tmp:
         root = Path(tmp)
         # a released store's slots stay reserved until its job expires (a worker may still write
@@ -76,7 +78,7 @@ def one_pass(src: Path, blocks: int, reps: int, op: str = "load", node_env: dict
                     return store_samples(session, blocks, reps)
                 client.wait(client.offload(keys, list(range(blocks))))
                 if op in ("miss", "miss_filter"):
-                    return miss_samples(session, blocks, reps, op == "miss_filter")
+                    return miss_samples(session, blocks, reps, op == "miss_filter", false_maybe)
                 samples = []
                 for i in range(reps + 10):  # the first 10 warm up and are dropped
                     t = time.perf_counter()
@@ -112,13 +114,11 @@ def store_samples(session: LeaderSession, blocks: int, reps: int) -> list[float]
     return samples
 
 
-#: the filter's "maybe" answers for keys that are not stored, counted by miss_samples
-FALSE_MAYBE: list[int] = []
-
-
-def miss_samples(session: LeaderSession, blocks: int, reps: int, filtered: bool) -> list[float]:
+def miss_samples(session: LeaderSession, blocks: int, reps: int, filtered: bool,
+                 false_maybe: list[int] | None = None) -> list[float]:
     """Cold lookups (ms) of ``blocks`` keys never stored: the round trip, or (``filtered``) the
-    presence filter's check of the first key, as the scheduler role makes it."""
+    presence filter's check of the first key, as the scheduler role makes it (its "maybe" answers
+    for those keys appended to ``false_maybe``)."""
     samples = []
     maybe = 0
     try:
@@ -138,7 +138,8 @@ def miss_samples(session: LeaderSession, blocks: int, reps: int, filtered: bool)
                 raise AssertionError("a key never stored matched")
             if i >= 10:
                 samples.append(ms)
-        FALSE_MAYBE.append(maybe)
+        if filtered and false_maybe is not None:
+            false_maybe.append(maybe)
     finally:
         session.close()
     return samples
@@ -195,9 +196,10 @@ def main() -> int:
     runs = [(src, op, v) for src in srcs for op in (("miss", "miss_filter") if args.op == "miss" else (args.op,))
             for v in variants]
     per: dict[str, list[list[float]]] = {label(src, op, v[0]): [] for src, op, v in runs}
+    false_maybe: list[int] = []  # per filtered pass: the filter's "maybe" for keys never stored
     for p in range(args.passes):
         for src, op, (name, env) in (runs if p % 2 == 0 else runs[::-1]):
-            samples = one_pass(src, args.blocks, args.reps, op, env)
+            samples = one_pass(src, args.blocks, args.reps, op, env, false_maybe)
             per[label(src, op, name)].append(samples)
             q = statistics.quantiles(samples, n=10)
             print(f"pass {p} {label(src, op, name)}: p50 {statistics.median(samples):.3f} ms p90 {q[8]:.3f} ms",
@@ -213,12 +215,12 @@ def main() -> int:
     client = client_side_ms(args.blocks) if args.op == "load" else None
     if client is not None:
         print(f"client side alone (request built, answer read): {client:.3f} ms")
-    if FALSE_MAYBE:
-        print(f"presence filter: 'maybe' for {sum(FALSE_MAYBE)} of {len(FALSE_MAYBE) * (args.reps + 10)} keys never stored")
+    if false_maybe:
+        print(f"presence filter: 'maybe' for {sum(false_maybe)} of {len(false_maybe) * (args.reps + 10)} keys never stored")
     if args.json:
         Path(args.json).write_text(json.dumps({"provenance": record, "op": args.op, "blocks": args.blocks, "reps": args.reps,
                                                "rows": rows, "client_side_ms": round(client, 3) if client is not None else None,
-                                               "filter_false_maybe": sum(FALSE_MAYBE) if FALSE_MAYBE else None},
+                                               "filter_false_maybe": sum(false_maybe) if false_maybe else None},
                                               indent=1) + "\n")
     return 0
 
