@@ -48,8 +48,9 @@ class LeaderSession:
         self._channel = open_channel(address, config or KvbmConfig.from_env())
         self._stub: Any = rpc.LeaderStub(self._channel)  # the generated stubs are untyped
         self._stop = threading.Event()
-        #: the leader's presence filter, mapped (None: none, or not readable here); replaced,
-        #: never closed, when the session re-opens (the scheduler thread may be reading it)
+        #: the leader's presence filter, mapped (None: none, or not readable here); when the
+        #: session re-opens with another leader, replaced and the old mapping closed (a reader
+        #: on another thread that still holds it gets "maybe": see PresenceView.may_hold)
         self._presence: PresenceView | None = None
         self._presence_from = ""  # the path it was mapped from
         #: blocks of lookups answered as misses by the filter, not told to the leader yet
@@ -80,8 +81,10 @@ class LeaderSession:
         self._session.opened(resp)
         if self._session.presence_path != self._presence_from:
             self._presence_from = self._session.presence_path
-            self._presence = PresenceView.open(self._presence_from, self._session.presence_slots,
-                                               self._session.leader_id)
+            old, self._presence = self._presence, PresenceView.open(
+                self._presence_from, self._session.presence_slots, self._session.leader_id)
+            if old is not None:
+                old.close()  # (the old leader's file is unlinked: the mapping alone kept its pages)
 
     def _renew(self) -> None:
         core = self._session
@@ -168,6 +171,8 @@ class LeaderSession:
         except grpc.RpcError:
             pass
         self._channel.close()
+        if self._presence is not None:
+            self._presence.close()
 
     def __enter__(self) -> "LeaderSession":
         return self

@@ -14,7 +14,7 @@ answers any lookup that could match it, and clears slots only by rebuilding the 
 from the blocks it holds. A reader that sees "no" for a block stored meanwhile (a race of a few
 microseconds) misses it once: the engine recomputes; nothing is ever served from the filter.
 
-File (``presence-<socket dir digest>-<leader id>.bits``, mode 0600, in ``/dev/shm/kvbm-UID``, a
+File (``presence-<socket dir digest>-<leader pid>-<leader id>.bits``, mode 0600, in ``/dev/shm/kvbm-UID``, a
 0700 directory, or in the leader's socket directory where there is no /dev/shm): a 64-byte
 header (:data:`MAGIC`, the slot count, the probes per key (2), the leader's id), then one byte
 per slot, 0 or 1 (a byte, not a bit: the leader sets a store's slots in one vectorized
@@ -115,9 +115,14 @@ class PresenceView:
         return cls(mapped, slots)
 
     def may_hold(self, key: BlockHash) -> bool:
-        """False: the leader holds no copy of ``key`` (a lookup starting there matches nothing)."""
+        """False: the leader holds no copy of ``key`` (a lookup starting there matches nothing).
+        True ("maybe": ask the leader) once the view is closed, also by another thread meanwhile."""
         i, j = probes(key, self._mask)
-        return bool(self._mm[HEADER_BYTES + i] and self._mm[HEADER_BYTES + j])
+        try:
+            return bool(self._mm[HEADER_BYTES + i] and self._mm[HEADER_BYTES + j])
+        except ValueError:  # closed (a re-opened session replaced it)
+            return True
 
     def close(self) -> None:
+        """Unmap; idempotent."""
         self._mm.close()

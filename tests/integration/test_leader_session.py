@@ -130,12 +130,17 @@ def test_a_restarted_leader_publishes_a_new_filter_and_the_session_follows_it(ma
     session = LeaderSession(node.leader_address, timeout=5)
     assert all(session.may_hold(k) for k in keys)
     old = Path(session._session.presence_path)
+    old_view = session._presence
+    assert old_view is not None and not old_view.may_hold(hashes(1, seed=5)[0])
     # no clean stop (the file stays behind); the load re-opens the session with the new leader
     assert _kill_leader_then_load(node, session, keys).is_empty
     new = Path(session._session.presence_path)
     assert new != old and not old.exists(), "the new leader removed the old filter"
     assert not any(session.may_hold(k) for k in keys), "the new leader holds none of them"
+    assert old_view._mm.closed, "the old leader's mapping is closed, not kept for the process's life"
+    assert old_view.may_hold(hashes(1, seed=5)[0]), "a reader still holding it gets 'maybe' (asks)"
     session.close()
+    assert session._presence is not None and session._presence._mm.closed
 
 
 def test_a_connector_with_the_filter_turned_off_asks_the_leader_for_every_lookup(make_node):
