@@ -12,6 +12,8 @@ from kvbm_client.handles import TransferHandle
 from kvbm_client.connectors.core import ConnectorSettings, RequestExtras, SchedulerCore
 from kvbm_client.contract import pb
 from kvbm_client.ids import JobId, PlanKind
+from kvbm_client.connectors.core.block_holds import BlockHolds
+from support.fake_pool import FakePool
 
 BS = 4
 
@@ -404,3 +406,58 @@ def test_a_filter_that_rules_out_a_stored_first_block_only_costs_the_hit():
     plan = core.step({"y": 21})
     assert plan.loads == [] and not leader.released
 
+
+# ---------------------------------------------------------------------------- block holds
+def holding(leader: FakeLeader, pool: FakePool) -> SchedulerCore:
+    """A core whose engine pins the blocks its stores read (block_holds.py)."""
+    core = make(leader)
+    core.holds = BlockHolds(pool)
+    return core
+
+
+def test_a_finished_request_is_freed_at_once_and_its_stored_blocks_stay_pinned_until_settled():
+    leader, pool = FakeLeader(), FakePool()
+    core = holding(leader, pool)
+    a = Request("a", list(range(13)))
+    assert core.lookup(a, 0) == (0, False)
+    core.assign_blocks("a", [7, 8, 9, 10], replace=True)
+    plan = core.step({"a": 13})
+    (store,) = plan.stores
+    assert store.store_id > 0 and store.engine_blocks == [7, 8, 9]
+    assert pool.pinned == {7, 8, 9} and core.holding
+    assert core.finished("a") is False, "no delayed free: the pool holds what the store reads"
+    assert core.step({}).delayed_frees == []
+    core.stores_settled([store.store_id])
+    assert pool.pinned == set() and not core.holding
+
+
+def test_blocks_the_leader_already_has_are_not_pinned_past_the_answer():
+    leader, pool = FakeLeader(), FakePool()
+    core = holding(leader, pool)
+    a, b = Request("a", list(range(9))), Request("b", list(range(9)))  # b: the same two blocks
+    for r, blocks in ((a, [1, 2, 3]), (b, [4, 5, 6])):
+        core.lookup(r, 0)
+        core.assign_blocks(r.request_id, blocks, replace=True)
+    core.step({"a": 9})
+    plan = core.step({"b": 9})
+    assert plan.stores == [], "b's blocks are stored already (a's)"
+    assert pool.pinned == {1, 2}
+    leader.down = True
+    c = Request("c", list(range(50, 59)))
+    core.lookup(c, 0)
+    core.assign_blocks("c", [11, 12, 13], replace=True)
+    assert core.step({"c": 9}).stores == []
+    assert pool.pinned == {1, 2}, "a store the leader could not plan pins nothing"
+
+
+
+def test_without_holds_a_finished_request_with_stores_waits_for_them():
+    leader = FakeLeader()
+    settings = ConnectorSettings("unix:/l", "unix:/w-{id}", "model|float16|4", 1.0, 1.0)
+    core = SchedulerCore(BS, settings, leader, lambda r: r.extras)
+    a = Request("a", list(range(13)))
+    core.lookup(a, 0)
+    core.assign_blocks("a", [7, 8, 9, 10], replace=True)
+    assert core.step({"a": 13}).stores[0].store_id == 0
+    assert core.finished("a") is True
+    assert core.step({}).delayed_frees == ["a"]

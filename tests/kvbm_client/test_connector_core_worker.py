@@ -90,3 +90,53 @@ def test_stores_after_successful_loads_are_sent():
     worker.start_loads([load(b"ok")])
     worker.start_stores([store(b"s")])
     assert [plan for plan, _ in link.sent] == [b"ok", b"s"]
+
+
+# ---------------------------------------------------------------------------- held stores' reports
+def held(plan: bytes, store_id: int) -> StoreSpec:
+    return StoreSpec(plan, b"sig", [3], ["r"], store_id=store_id)
+
+
+class SlowLink(FakeLink):
+    """Answers stores only when told to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pending: list[Future] = []
+
+    def submit(self, plan, signature, blocks, timeout=None, layer_groups=0, gpu=None):
+        self.sent.append((plan, timeout))
+        future: Future = Future()
+        self.pending.append(future)
+        return future
+
+
+def test_a_held_store_is_reported_settled_once_it_is_done_not_before():
+    link = SlowLink()
+    w = core(link)
+    w.start_stores([held(b"s", 5), StoreSpec(b"t", b"sig", [4], ["r"])])
+    w.finished()
+    assert w.settled_stores() == [], "still in flight"
+    for f in link.pending:
+        f.set_result("ok")
+    w.finished()
+    assert w.settled_stores() == [5], "only held stores are reported"
+    assert w.settled_stores() == []
+
+
+def test_held_stores_a_failed_load_dropped_are_reported_settled_at_once():
+    link = FakeLink(failing={b"bad"})
+    w = core(link)
+    w.start_loads([load(b"bad")])
+    w.start_stores([held(b"s", 7)])
+    assert b"s" not in [plan for plan, _ in link.sent]
+    assert w.settled_stores() == [7]
+
+
+def test_a_failed_held_store_is_settled_too():
+    link = FakeLink(failing={b"s"})
+    w = core(link)
+    w.start_stores([held(b"s", 9)])
+    time.sleep(0)
+    w.fence()
+    assert w.settled_stores() == [9]

@@ -21,6 +21,8 @@ from kvbm_client.connectors.vllm.worker import KvbmConnectorWorker
 from kvbm_client.contract import pb
 from kvbm_client.handles import TransferHandle
 from kvbm_client.ids import JobId, PlanKind, WorkerId
+from kvbm_client.connectors.core.block_holds import BlockHolds
+from support.fake_pool import FakePool
 
 BS = 4
 
@@ -336,4 +338,26 @@ def test_a_big_steps_request_that_turns_out_unkeyable_stores_nothing():
     core.step({"a": 12})
     plan = core.step({"a": 12})
     assert plan.earlier_stores == [] and leader.stored == set()
+    core.shutdown()
+
+
+
+def test_a_store_planned_off_the_thread_pins_its_blocks_from_the_ask_so_a_request_ending_first_frees_none_of_them():
+    leader, pool = GatedLeader(), FakePool()
+    leader.gate.clear()
+    core = make(leader)
+    core.holds = BlockHolds(pool, reporters=2)
+    a = Request("a", list(range(13)))
+    core.lookup(a, 0)
+    core.assign_blocks("a", [7, 8, 9, 10], replace=True)
+    assert core.step({"a": 13}).earlier_stores == []
+    assert pool.pinned == {7, 8, 9}, "pinned before the leader answered"
+    assert core.finished("a") is False
+    leader.gate.set()
+    (store,) = core.step({}).earlier_stores
+    assert store.store_id > 0 and pool.pinned == {7, 8, 9}
+    core.stores_settled([store.store_id])
+    assert pool.pinned == {7, 8, 9}, "one of the two worker sides reported"
+    core.stores_settled([store.store_id])
+    assert pool.pinned == set()
     core.shutdown()

@@ -154,3 +154,54 @@ def test_the_role_starts_early_loads_only_where_the_decision_allows(scheduler_mo
     finally:
         on.core.shutdown()
         off.core.shutdown()
+
+
+class StoringLeader(FakeLeader):
+    """Plans a store of every block it is offered (deadline far ahead)."""
+
+    def prepare_store(self, hashes):
+        self.calls.append(("prepare_store", (hashes,)))
+        signed = SimpleNamespace(plan=b"store", signature=b"sig")
+        return SimpleNamespace(num_blocks=len(hashes), is_empty=not hashes, indices=tuple(range(len(hashes))),
+                               signed=signed, deadline=1e12)
+
+
+class VllmPool:
+    """vLLM's ``BlockPool`` as the role uses it: ``blocks`` by id, ``touch`` adds a reference,
+    ``free_blocks`` drops one (recording the order)."""
+
+    def __init__(self, n: int) -> None:
+        self.blocks = [SimpleNamespace(block_id=i, ref_cnt=0) for i in range(n)]
+        self.freed: list[int] = []
+
+    def touch(self, blocks):
+        for b in blocks:
+            b.ref_cnt += 1
+
+    def free_blocks(self, blocks):
+        for b in blocks:
+            assert b.ref_cnt > 0
+            b.ref_cnt -= 1
+            self.freed.append(b.block_id)
+
+
+def test_with_vllms_block_pool_a_finished_request_frees_at_once_and_the_worker_reports_unpin_its_stored_blocks(
+        scheduler_module):
+    from kvbm_client.connectors.vllm.metadata import KvbmWorkerMetadata
+    role = make(scheduler_module, "sync", StoringLeader(stored=0))
+    pool = VllmPool(8)
+    role.bind_block_pool(pool, reporters=2)
+    req = request(3, tail=0)
+    req.num_tokens = 3 * BS
+    role.get_num_new_matched_tokens(req, 0)
+    out = SimpleNamespace(preempted_req_ids=(), scheduled_new_reqs=[SimpleNamespace(req_id="r1", block_ids=([4, 5, 6],))],
+                          scheduled_cached_reqs=SimpleNamespace(req_ids=[]), num_scheduled_tokens={"r1": 3 * BS})
+    (store,) = role.build_connector_meta(out).stores
+    assert [b.ref_cnt for b in pool.blocks[4:7]] == [1, 1, 1] and role.has_pending_push_work()
+    assert role.request_finished(req, [4, 5, 6]) == (False, None), "freed at once: the pool pins what the store reads"
+    two = KvbmWorkerMetadata((store.store_id,)).aggregate(KvbmWorkerMetadata(()))
+    role.update_connector_output(SimpleNamespace(kv_connector_worker_meta=two))
+    assert pool.freed == [] and role.has_pending_push_work(), "one of the two worker roles reported"
+    role.update_connector_output(SimpleNamespace(kv_connector_worker_meta=KvbmWorkerMetadata((store.store_id,))))
+    assert pool.freed == [6, 5, 4], "unpinned tail first, as vLLM frees a request's blocks"
+    assert not role.has_pending_push_work()

@@ -14,7 +14,8 @@ Scheduler side (one per engine, on its scheduler thread)::
     core.assign_blocks(req_id, new_block_ids, replace=False)           # block table grew
     plan = core.step({req_id: tokens_computed}, preempted=[...], num_tokens=n)  # stores, fence
     core.step_done()                                                   # its output came back (prefill meter)
-    keep_blocks = core.finished(req_id)                                # delay the frees?
+    keep_blocks = core.finished(req_id)                                # delay the frees? (not with core.holds)
+    core.stores_settled(store_ids)                                     # the worker sides' reports (holds)
 
 Worker side (one per GPU / rank)::
 
@@ -26,6 +27,7 @@ Worker side (one per GPU / rank)::
     # layer's forward; wait_loads(forward_waited) once the forward is enqueued
     core.start_stores(plan.stores, ready=event.synchronize)
     sent, loaded = core.finished(plan.delayed_frees)
+    store_ids = core.settled_stores()             # held stores settled: to the scheduler side
     failed_blocks = core.take_load_errors()       # the engine recomputes them
 
 Both sides of one engine share ``settings.engine_id``: the worker side publishes the id of
@@ -88,6 +90,11 @@ The connector guarantees, in return:
   its blocks until the worker side reports the store done (C2), one that is preempted fences the
   step that ships the store (the fence, after the send, waits for it). Full blocks are not
   rewritten while a request holds them, so the bytes it reads are still those of its keys.
+* (C2'') With block holds (:mod:`.block_holds`, vLLM's block pool): every block of a store is
+  pinned in the engine's pool, on the scheduler's thread, from the moment the store is asked for
+  (before the engine can free or preempt its request) until every worker side reported the
+  store settled (answered, failed, or dropped unsent) or ``D`` + margin passed (C2); a finished
+  request is then freed at once, since the engine cannot hand a pinned block to another request.
 * (C4) Blocks computed over a failed synchronous load (the step's forward read pages that were
   never loaded) are not stored: the worker side drops the stores of that step and of the steps
   overlapping it (2 with vLLM's asynchronous scheduling), a step late as well (C2').

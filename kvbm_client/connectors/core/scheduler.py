@@ -35,7 +35,10 @@ adapter translates its hooks into these calls, in this order per request:
    freed block from being reallocated while a step in flight may still write it (vLLM's
    deferred block frees).
 4. :meth:`SchedulerCore.finished` (``request_finished``): True when the request's blocks
-   must stay allocated until its stores are done (the worker side reports it).
+   must stay allocated until its stores are done (the worker side reports it). With
+   :attr:`SchedulerCore.holds` (an engine pool that pins blocks, :mod:`.block_holds`) never:
+   each store's blocks are pinned from the moment it is asked for until every worker side
+   reported it settled (:meth:`SchedulerCore.stores_settled`), and the rest is freed at once.
 
 Failures never fail the engine: a leader that is down turns lookups into misses and
 stores into skips (see :mod:`.leader_link`).
@@ -48,6 +51,7 @@ from collections import deque
 from typing import Iterable, Mapping, Sequence
 
 from ...ids import BlockHash, EngineBlockId
+from .block_holds import BlockHolds
 from .early_loads import EarlyLoads
 from .leader_link import LeaderPort
 from .prefill import PrefillMeter
@@ -65,7 +69,8 @@ class SchedulerCore:
 
     Invariants: a request's load is planned at most once (``load_sent``); a pinned load that
     the engine does not take is released; blocks are offloaded in order, each once
-    (``num_stored``); a request with stores is reported in ``delayed_frees`` when it ends.
+    (``num_stored``); a request with stores is reported in ``delayed_frees`` when it ends,
+    unless :attr:`holds` pins every block a store may still read (from the ask on).
     """
 
     def __init__(self, block_size: int, settings: ConnectorSettings, leader: LeaderPort, extras_of: ExtrasOf,
@@ -88,6 +93,10 @@ class SchedulerCore:
         self.prefill = PrefillMeter(settings.prefill_tokens_per_s)
         #: the requests' block keys, hashed on this thread and on the store planner's
         self.hasher = KeyHasher()
+        #: the blocks stores read, pinned in the engine's pool (None: delayed frees instead);
+        #: set by the adapter before the first step
+        self.holds: BlockHolds | None = None
+        self._asked_hold = 0  # the hold of the store plan on the planner's thread (0: none)
 
     # ------------------------------------------------------------------ requests
     def request(self, req_id: str) -> EngineRequest | None:
@@ -227,6 +236,8 @@ class SchedulerCore:
         (an adapter that reports step ends, :meth:`step_done`, passes it)."""
         if num_tokens:
             self.prefill.scheduled(num_tokens, time.monotonic())
+        if self.holds is not None:
+            self.holds.expire()
         plan = StepPlan(loads=self._loads, delayed_frees=self._delayed)
         self._loads, self._delayed = [], []
         plan.fence = any(s.has_stores for s in map(self._reqs.get, map(RequestId, preempted)) if s is not None)
@@ -250,21 +261,36 @@ class SchedulerCore:
             trace("step", loads=[(x.req_id, len(x.engine_blocks), x.sync) for x in plan.loads], store_keys=len(blocks),
                   tokens=num_tokens)
         if self._planner is not None and self._planner.pending:
-            spec = self._planner.collect()  # the previous step's: sent before this step's forward
+            # the previous step's: sent before this step's forward
+            hold, self._asked_hold = self._asked_hold, 0
+            spec = self._narrow(hold, self._planner.collect())
             if spec is not None:
                 plan.earlier_stores.append(spec)
         if self._planner is not None and len(blocks) >= self._planner.min_keys:
             for req_id in set(owners):
                 self._reqs[req_id].has_stores = True  # before the answer: see store_planner
+            self._asked_hold = self.holds.hold(blocks) if self.holds is not None else 0  # (before the answer too)
             # hashed on its thread too, from the tokens of those blocks read now (the requests grow
             # on this thread meanwhile)
             snapshot = [span._replace(tokens=span.tokens[:span.end * self.block_size]) for span in spans]
             self._planner.submit(lambda: self.hasher.span_keys(snapshot), blocks, owners)
         elif blocks:
+            hold = self.holds.hold(blocks) if self.holds is not None else 0
             keys = self.hasher.span_keys(spans)
-            if keys is not None:
-                plan.stores.extend(self._store(keys, blocks, owners))
+            spec = self._store(keys, blocks, owners) if keys is not None else None
+            spec = self._narrow(hold, spec)
+            if spec is not None:
+                plan.stores.append(spec)
         return plan
+
+    def _narrow(self, hold: int, spec: StoreSpec | None) -> StoreSpec | None:
+        """Keep the hold of a store's blocks to those the leader planned (``spec``; None: none)."""
+        if hold and self.holds is not None and spec is None:
+            self.holds.narrow(hold, (), 0.0)
+        elif hold and self.holds is not None and spec is not None:
+            if self.holds.narrow(hold, spec.engine_blocks, spec.deadline):
+                spec.store_id = hold
+        return spec
 
     def _start_early(self, loads: list[LoadSpec]) -> None:
         assert self._early is not None
@@ -277,21 +303,30 @@ class SchedulerCore:
             if tracing():
                 trace("early_load", req=spec.req_id, blocks=len(spec.engine_blocks), workers=sent)
 
-    def _store(self, keys: list[BlockHash], blocks: list[EngineBlockId], owners: list[RequestId]) -> list[StoreSpec]:
+    def _store(self, keys: list[BlockHash], blocks: list[EngineBlockId], owners: list[RequestId]) -> StoreSpec | None:
         t0 = time.perf_counter()
         handle = self._leader.prepare_store(keys)
         if tracing():
             trace("prepare_store", keys=len(keys), ms=round((time.perf_counter() - t0) * 1e3, 2))
         spec = store_spec(handle, blocks, owners)
-        if spec is None:
-            return []
-        for req_id in set(spec.req_ids):
-            self._reqs[req_id].has_stores = True
-        return [spec]
+        if spec is not None:
+            for req_id in set(spec.req_ids):
+                self._reqs[req_id].has_stores = True
+        return spec
 
     def step_done(self) -> None:
         """The oldest scheduled step's output came back (vLLM ``update_connector_output``)."""
         self.prefill.finished(time.monotonic())
+
+    def stores_settled(self, store_ids: Iterable[int]) -> None:
+        """Worker sides reported these held stores settled (one id per worker side's report)."""
+        if self.holds is not None:
+            self.holds.settled(store_ids)
+
+    @property
+    def holding(self) -> bool:
+        """Blocks are held for stores not reported settled yet (the engine must keep stepping)."""
+        return self.holds is not None and self.holds.pending
 
     # ------------------------------------------------------------------ 4. end
     def finished(self, req_id: str) -> bool:
@@ -303,14 +338,16 @@ class SchedulerCore:
         if state is None:
             return False
         self._release(state)
-        if state.has_stores:
+        if state.has_stores and self.holds is None:
             self._delayed.append(RequestId(req_id))
             return True
-        return False
+        return False  # (with holds, the blocks that stores still read stay pinned)
 
     def shutdown(self) -> None:
         if self._planner is not None:
             self._planner.close()
+        if self.holds is not None:
+            self.holds.close()
         self._leader.close()
         if self._early is not None:
             self._early.close()

@@ -132,6 +132,11 @@ class ConnectorSettings:
     #: offload the engine's computed blocks (write-through to G2); false: this engine only loads
     #: hits and never writes to the node's cache (a read-only consumer)
     store_blocks: bool = True
+    #: vLLM >= 0.26: pin the blocks a store still reads in vLLM's block pool and free a finished
+    #: request's other blocks at once (:mod:`.block_holds`); false: a finished request keeps all
+    #: its blocks until its stores are done (a delayed free, the behaviour before 2026-11-27).
+    #: Engines without a pool to pin in (TensorRT-LLM, older vLLM) always delay
+    hold_stored_blocks: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "load_mode", _load_mode(self.load_mode))
@@ -170,7 +175,8 @@ class ConnectorSettings:
                                                                        DEFAULT_ASYNC_STORE_MIN_BLOCKS)),
                    cross_layer_blocks=_flag("cross_layer_blocks", extra.get("cross_layer_blocks", True)),
                    presence_filter=_flag("presence_filter", extra.get("presence_filter", True)),
-                   store_blocks=_flag("store_blocks", extra.get("store_blocks", True)))
+                   store_blocks=_flag("store_blocks", extra.get("store_blocks", True)),
+                   hold_stored_blocks=_flag("hold_stored_blocks", extra.get("hold_stored_blocks", True)))
 
     @property
     def sync_loads(self) -> bool:

@@ -44,6 +44,10 @@ class StoreSpec:
     req_ids: list[RequestId]
     #: the plan's deadline, as :attr:`LoadSpec.deadline`
     deadline: float = 0.0
+    #: > 0: the scheduler side holds ``engine_blocks`` in the engine's pool until every worker
+    #: side reported this store settled (:mod:`.block_holds`); 0: not held (the request's blocks
+    #: wait for its stores: a delayed free)
+    store_id: int = 0
 
 
 @dataclass
@@ -53,7 +57,8 @@ class StepPlan:
     loads: list[LoadSpec] = field(default_factory=list)
     stores: list[StoreSpec] = field(default_factory=list)
     #: finished requests whose blocks stay allocated until their stores are done (the worker
-    #: side reports them as finished sending).
+    #: side reports them as finished sending); none when the scheduler side holds the stored
+    #: blocks instead (:mod:`.block_holds`).
     delayed_frees: list[RequestId] = field(default_factory=list)
     #: a request with stores in flight was preempted (its blocks are free again): the worker
     #: side waits for every store in flight before this step's forward can rewrite them.

@@ -59,6 +59,7 @@ class InFlight:
     #: sends the same call again, answered by the given time (a second call of a plan joins its job)
     retry: "Callable[[float], TransferFuture | None] | None" = None
     completed: float = 0.0  # time.monotonic() when the future completed (0: not yet)
+    store_id: int = 0  # a store's :attr:`~.specs.StoreSpec.store_id` (0: none to report)
 
     def __post_init__(self) -> None:
         if self.future is not None and hasattr(self.future, "add_done_callback"):
@@ -123,6 +124,7 @@ class TransferTracker:
         self._sync_loads: list[InFlight] = []  # settled before the step's stores (whole ones: before its forward)
         self._stores: list[InFlight] = []
         self._store_refs: dict[RequestId, int] = {}  # stores in flight per request
+        self._settled_stores: list[int] = []  # store ids settled since the last take_settled_stores()
         self._awaiting_send: set[RequestId] = set()  # finished requests whose frees wait
         self._load_errors: set[EngineBlockId] = set()
         self._sync_failed = False  # a layerwise load of this step failed (settled) before the step's end
@@ -200,11 +202,12 @@ class TransferTracker:
         return errors
 
     # ------------------------------------------------------------------ stores
-    def store_sent(self, future: TransferFuture, blocks: list[EngineBlockId], req_ids: list[RequestId]) -> None:
+    def store_sent(self, future: TransferFuture, blocks: list[EngineBlockId], req_ids: list[RequestId],
+                   store_id: int = 0) -> None:
         """A store of ``blocks`` (owned by ``req_ids``) went out. Its call ends by the plan's
         deadline plus a margin: a store copy that reads the blocks after that is never served
         (the leader refuses a store reported after its deadline)."""
-        self._stores.append(InFlight(future, list(req_ids), list(blocks), time.monotonic()))
+        self._stores.append(InFlight(future, list(req_ids), list(blocks), time.monotonic(), store_id=store_id))
         for req_id in req_ids:
             self._store_refs[req_id] = self._store_refs.get(req_id, 0) + 1
 
@@ -221,12 +224,24 @@ class TransferTracker:
         except Exception as exc:  # a failed store costs a future hit, no more
             log.warning("kvbm store of %d blocks failed: %s", len(item.engine_blocks), _why(exc))
             self._on_failure(exc)
+        if item.store_id:
+            self._settled_stores.append(item.store_id)
         for req_id in item.req_ids:
             left = self._store_refs.get(req_id, 0) - 1
             if left > 0:
                 self._store_refs[req_id] = left
             else:
                 self._store_refs.pop(req_id, None)
+
+    def store_dropped(self, store_ids: Iterable[int]) -> None:
+        """Stores that were never sent (their blocks were not read): settled at once."""
+        self._settled_stores.extend(i for i in store_ids if i)
+
+    def take_settled_stores(self) -> list[int]:
+        """The ids of the held stores settled (done, failed or dropped) since the last call, for
+        the scheduler side's block holds (:mod:`.block_holds`)."""
+        settled, self._settled_stores = self._settled_stores, []
+        return settled
 
     @property
     def stores_in_flight(self) -> int:

@@ -219,6 +219,7 @@ class WorkerCore:
         if self._tainted_steps and stores:
             log.warning("kvbm: a synchronous load of this step failed, so its forward read pages that were not "
                         "loaded; its %d store plans are dropped", len(stores))
+            self.tracker.store_dropped(spec.store_id for spec in stores)
             return
         for spec in stores:
             future: Any
@@ -227,7 +228,9 @@ class WorkerCore:
             else:
                 future = self._submit(spec.plan, spec.signature, spec.engine_blocks, answer_by(spec.deadline))
             if future is not None:
-                self.tracker.store_sent(future, spec.engine_blocks, spec.req_ids)
+                self.tracker.store_sent(future, spec.engine_blocks, spec.req_ids, spec.store_id)
+            else:
+                self.tracker.store_dropped((spec.store_id,))
 
     def _thread(self) -> ThreadPoolExecutor:
         if self._store_thread is None:
@@ -247,6 +250,11 @@ class WorkerCore:
     def finished(self, delayed_frees: Iterable[RequestId] = ()) -> tuple[set[RequestId], set[RequestId]]:
         """``(finished sending, finished loading)`` request ids; never waits."""
         return self.tracker.finished(delayed_frees)
+
+    def settled_stores(self) -> list[int]:
+        """Ids of the held stores settled since the last call (after :meth:`finished`), for the
+        scheduler side's block holds (:mod:`.block_holds`)."""
+        return self.tracker.take_settled_stores()
 
     def shutdown(self) -> None:
         """Wait for the stores in flight, stop the store thread, unregister; idempotent."""

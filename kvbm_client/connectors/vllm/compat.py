@@ -52,6 +52,11 @@ def tensor_parallel_size(vllm_config) -> int:
     return max(1, int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1))
 
 
+def world_size(vllm_config) -> int:
+    """The engine's worker processes, each with a worker role that reports every step."""
+    return max(1, int(getattr(vllm_config.parallel_config, "world_size", 0) or tensor_parallel_size(vllm_config)))
+
+
 def overlapping_steps(vllm_config) -> int:
     """How many engine steps run at once: 2 with asynchronous scheduling (a step is scheduled
     before the previous one's output, failed loads included, is known), else 1 (more with

@@ -204,6 +204,18 @@ class KvbmConnector(KVConnectorBase_V1, SupportsHMA):
             return KvbmConnectorMetadata()
         return self._scheduler_role.build_connector_meta(scheduler_output)
 
+    def bind_gpu_block_pool(self, gpu_block_pool) -> None:
+        """vLLM >= 0.26 hands the scheduler role its block pool: stores pin their blocks there
+        and finished requests are freed at once (``hold_stored_blocks``; else delayed frees)."""
+        if self._enabled and self._scheduler is not None and self._settings.hold_stored_blocks:
+            self._scheduler.bind_block_pool(gpu_block_pool, compat.world_size(self._vllm_config))
+
+    def has_pending_push_work(self) -> bool:
+        return self._enabled and self._scheduler is not None and self._scheduler.has_pending_push_work()
+
+    def build_connector_worker_meta(self):
+        return self._worker.worker_metadata() if self._enabled and self._worker is not None else None
+
     def update_connector_output(self, connector_output) -> None:
         super().update_connector_output(connector_output)
         if self._enabled:

@@ -18,6 +18,8 @@ import logging
 from typing import Any, Sequence
 
 from ...hashing import MultimodalSpan, RequestExtras
+from ...ids import EngineBlockId
+from ..core.block_holds import BlockHolds
 from ..core.early_loads import EarlyLoads, early_loads_decision
 from ..core.leader_link import LeaderLink, LeaderPort
 from ..core.request_keys import EngineRequest
@@ -120,9 +122,25 @@ class KvbmConnectorScheduler:
                               num_tokens=int(getattr(so, "total_num_scheduled_tokens", 0) or 0))
         return KvbmConnectorMetadata.of(plan)
 
+    def bind_block_pool(self, pool: Any, reporters: int) -> None:
+        """vLLM's ``bind_gpu_block_pool`` (>= 0.26): hold the blocks stores read in vLLM's pool
+        (``reporters``: the worker roles that report each store) instead of delaying frees."""
+        self.core.holds = BlockHolds(PoolPins(pool), reporters)
+        log.info("kvbm: a finished request's blocks are freed at once; those stores still read stay pinned "
+                 "(%d worker report(s) per store)", reporters)
+
     def update_connector_output(self, connector_output: Any) -> None:
-        """A step's output came back: the end of its time for the prefill meter."""
+        """A step's output came back: the end of its time for the prefill meter, and the held
+        stores the worker roles settled."""
         self.core.step_done()
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        settled = getattr(meta, "settled_stores", None)
+        if settled:
+            self.core.stores_settled(settled)
+
+    def has_pending_push_work(self) -> bool:
+        """Keep vLLM stepping while blocks are held: the worker roles' reports come with steps."""
+        return self.core.holding
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         # True: keep the blocks until the worker role confirms its stores read them.
@@ -130,3 +148,19 @@ class KvbmConnectorScheduler:
 
     def shutdown(self) -> None:
         self.core.shutdown()
+
+
+class PoolPins:
+    """vLLM's ``BlockPool`` as :class:`~kvbm_client.connectors.core.block_holds.BlockPins`: a
+    pin is a reference (``touch``: a free block leaves the free queue), an unpin drops it
+    (``free_blocks``: a block with none left goes back to the free queue, its cached prefix
+    intact, tail first as vLLM frees a request's blocks)."""
+
+    def __init__(self, pool: Any) -> None:
+        self._pool = pool
+
+    def pin(self, blocks: Sequence[EngineBlockId]) -> None:
+        self._pool.touch([self._pool.blocks[b] for b in blocks])
+
+    def unpin(self, blocks: Sequence[EngineBlockId]) -> None:
+        self._pool.free_blocks([self._pool.blocks[b] for b in reversed(blocks)])

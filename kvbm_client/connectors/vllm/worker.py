@@ -40,7 +40,7 @@ from ..core.tracing import trace, tracing
 from ..core.worker import WorkerCore
 
 if TYPE_CHECKING:  # (imports vLLM; this module imports without it, for its tests)
-    from .metadata import KvbmConnectorMetadata
+    from .metadata import KvbmConnectorMetadata, KvbmWorkerMetadata
 
 log = logging.getLogger("kvbm.connector")
 
@@ -235,6 +235,15 @@ class KvbmConnectorWorker:
         self.settle_layers()
         sending, recving = self.core.finished(meta.delayed_frees if meta is not None else ())
         return (set(sending) or None), (set(recving) or None)
+
+    def worker_metadata(self) -> KvbmWorkerMetadata | None:
+        """vLLM's ``build_connector_worker_meta`` (after ``get_finished``): the held stores this
+        worker settled since the last step, for the scheduler role's block holds."""
+        settled = self.core.settled_stores()
+        if not settled:
+            return None
+        from .metadata import KvbmWorkerMetadata
+        return KvbmWorkerMetadata(tuple(settled))
 
     def take_load_errors(self) -> set[EngineBlockId]:
         return self.core.take_load_errors()
