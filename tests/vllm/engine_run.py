@@ -23,6 +23,18 @@ def workload_prompts(users: int, sys_len: int, turn_len: int, seed: int) -> tupl
     return system, turns
 
 
+def wait_pool_whole(llm, timeout_s: float = 20.0) -> float | None:
+    """Seconds until every block of vLLM's KV cache pool is free again (``reset_prefix_cache``
+    succeeds only then), or None. Needs the engine core's own busy loop (multiprocess), which
+    keeps stepping while kvbm holds blocks for stores, so their reports arrive."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout_s:
+        if llm.reset_prefix_cache():
+            return round(time.perf_counter() - t0, 3)
+        time.sleep(0.05)
+    return None
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
@@ -48,6 +60,8 @@ def main() -> None:
     p.add_argument("--pause-dir", default="")
     p.add_argument("--start-after", default="", help="wait for this file to exist before the first round "
                    "(the engine is up and its KV cache registered by then)")
+    p.add_argument("--check-pool", action="store_true", help="after the last round, wait until vLLM's KV cache "
+                   "pool is whole again (every block free: none left held for a store) and record how long it took")
     args = p.parse_args()
 
     # NOTE: vLLM reserves a CPU for the connector when one is configured, which changes the OMP
@@ -95,12 +109,14 @@ def main() -> None:
             open(os.path.join(args.pause_dir, f"paused-{r}"), "w").close()
             while not os.path.exists(os.path.join(args.pause_dir, f"resume-{r}")):
                 time.sleep(0.1)
+    pool_whole_s = wait_pool_whole(llm) if args.check_pool else None
     metrics = {}
     for m in llm.get_metrics():
         if m.name.startswith("vllm:external_prefix_cache") or m.name.startswith("vllm:prefix_cache"):
             metrics[m.name] = getattr(m, "value", None)
     with open(args.out, "w") as f:
-        json.dump({"records": records, "metrics": metrics, "pythonhashseed": os.environ.get("PYTHONHASHSEED")}, f)
+        json.dump({"records": records, "metrics": metrics, "pythonhashseed": os.environ.get("PYTHONHASHSEED"),
+                   "pool_whole_s": pool_whole_s}, f)
     llm.llm_engine.engine_core.shutdown()  # stop EngineCore and workers (connector shutdown runs)
 
 
