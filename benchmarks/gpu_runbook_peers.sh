@@ -154,8 +154,8 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
     holds20) KVBM_CONNECTOR_TRACE=$R/t20k_$s.jsonl $T "$R/ttft20k_$s.jsonl" \
                 baseline,ours_layerwise,ours_layerwise_delayfree $A20 $H --timeout 300 --passes 3 >"$R/$s.log" 2>&1
                python3 benchmarks/ttft_breakdown.py "$R/ttft20k_$s.jsonl" "$R/t20k_$s.jsonl" >>"$R/$s.log" 2>&1 ;;
-    coldholds20) KVBM_CONNECTOR_TRACE=$R/t20k_cold2.jsonl $T "$R/ttft20k_cold2.jsonl" \
-                baseline,ours_layerwise $A20 $H --timeout 300 --passes 3 >"$R/cold2.log" 2>&1 ;;
+    coldholds20) KVBM_CONNECTOR_TRACE=$R/t20k_$s.jsonl $T "$R/ttft20k_$s.jsonl" \
+                baseline,ours_layerwise $A20 $H --timeout 300 --passes 3 >"$R/$s.log" 2>&1 ;;
     sync8g) KVBM_CONNECTOR_TRACE=$R/t8k_$s.jsonl $T "$R/ttft8k_$s.jsonl" \
                 lmcache,ours_layerwise,ours_sync $H --timeout 600 --cuda-graphs --passes 2 >"$R/$s.log" 2>&1 ;;
     stresslazy|stresstail) V=true; N=stress_lazy_gpuwait; [ $s = stresstail ] && V='"tail"' && N=stress_tail

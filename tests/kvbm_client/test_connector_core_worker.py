@@ -137,6 +137,5 @@ def test_a_failed_held_store_is_settled_too():
     link = FakeLink(failing={b"s"})
     w = core(link)
     w.start_stores([held(b"s", 9)])
-    time.sleep(0)
     w.fence()
     assert w.settled_stores() == [9]

@@ -104,7 +104,7 @@ class BlockHolds:
         if len(dropped) == len(hold.blocks):
             del self._holds[hold_id]
             return False
-        hold.blocks = [b for b in planned]
+        hold.blocks = list(planned)
         hold.expires = (deadline if deadline > 0 else self._clock() + NO_DEADLINE_S) + EXPIRY_MARGIN_S
         return True
 
@@ -135,10 +135,6 @@ class BlockHolds:
     def pending(self) -> bool:
         """Some block is held (the engine must keep stepping for the reports to arrive)."""
         return bool(self._holds)
-
-    @property
-    def num_blocks(self) -> int:
-        return sum(len(h.blocks) for h in self._holds.values())
 
     def close(self) -> None:
         """Unpin everything (the engine is going away)."""

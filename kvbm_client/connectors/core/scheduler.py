@@ -285,11 +285,12 @@ class SchedulerCore:
 
     def _narrow(self, hold: int, spec: StoreSpec | None) -> StoreSpec | None:
         """Keep the hold of a store's blocks to those the leader planned (``spec``; None: none)."""
-        if hold and self.holds is not None and spec is None:
+        if not hold or self.holds is None:
+            return spec
+        if spec is None:
             self.holds.narrow(hold, (), 0.0)
-        elif hold and self.holds is not None and spec is not None:
-            if self.holds.narrow(hold, spec.engine_blocks, spec.deadline):
-                spec.store_id = hold
+        elif self.holds.narrow(hold, spec.engine_blocks, spec.deadline):
+            spec.store_id = hold
         return spec
 
     def _start_early(self, loads: list[LoadSpec]) -> None:

@@ -18,11 +18,13 @@ scheduler core keeps each of these; see the ordering notes in :mod:`kvbm_client.
   metadata is bound, before that step's forward is enqueued, ordered after the computing
   forward (:attr:`~.specs.StepPlan.earlier_stores`);
 * a request with a store planned (answered or not) counts as having stores: finishing, its
-  blocks are freed only once the worker side reports its stores done (a delayed free), and
+  blocks are freed only once the worker side reports its stores done (a delayed free; with block
+  holds, the blocks of the store are pinned from the ask until every worker side reported it), and
   preempted, the step that ships or follows the store fences, so the worker side waits for it
   before a forward can rewrite the blocks;
 * the next step always ships what this one planned (the collection waits for it): nothing is
-  planned two steps back, and an engine that keeps requests with delayed frees keeps stepping
+  planned two steps back, and an engine that keeps requests with delayed frees, or block holds
+  (:mod:`.block_holds`: the blocks of a store asked for are held from the ask), keeps stepping
   (vLLM does), so a plan never waits for a step that does not come.
 
 Owns its leader session (a second one per engine: the scheduler's own :class:`.leader_link.LeaderLink`
