@@ -86,6 +86,10 @@
 #   interference  wait_copy_interference.py: a load's host -> GPU copy alone and beside another process's
 #             wait kernel (polling every 2 / 20 / 200 us), matmuls, HBM-bound copies
 #   wordprobe word_write_probe.py: a signal-word write queued behind a 1 GiB copy, host -> host vs via the GPU
+#   first20   20K, eager, 3 passes: LMCache, kvbm layerwise (gpu_layer_waits tail, the default), kvbm
+#             layerwise with the waits after the first layer group on the GPU (ours_layerwise_afterfirst:
+#             does an engine thread that trails the copy end the forward later?); first20g with CUDA
+#             graphs, first8 on 8K (2026-11-27 fifteenth session)
 # Earlier sessions' runs (other steps, other systems) are recorded in their result files' argv.
 . benchmarks/gpu_runbook_env.sh  # set -u, $R, step, A20, G8
 T=benchmarks/vllm_gpu_ttft.sh
@@ -156,6 +160,11 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
                python3 benchmarks/ttft_breakdown.py "$R/ttft20k_$s.jsonl" "$R/t20k_$s.jsonl" >>"$R/$s.log" 2>&1 ;;
     coldholds20) KVBM_CONNECTOR_TRACE=$R/t20k_$s.jsonl $T "$R/ttft20k_$s.jsonl" \
                 baseline,ours_layerwise $A20 $H --timeout 300 --passes 3 >"$R/$s.log" 2>&1 ;;
+    first20|first20g|first8) W=${s#first}; O="--timeout 300"; X=""; [ "${W%g}" = 20 ] && X="$A20"
+              [ "${W%g}" != "$W" ] && O="--timeout 600 --cuda-graphs"
+              KVBM_CONNECTOR_TRACE=$R/t${W%g}k_$s.jsonl $T "$R/ttft${W%g}k_$s.jsonl" \
+                lmcache,ours_layerwise,ours_layerwise_afterfirst $X $H $O --passes 3 >"$R/$s.log" 2>&1
+              python3 benchmarks/ttft_breakdown.py "$R/ttft${W%g}k_$s.jsonl" "$R/t${W%g}k_$s.jsonl" >>"$R/$s.log" 2>&1 ;;
     sync8g) KVBM_CONNECTOR_TRACE=$R/t8k_$s.jsonl $T "$R/ttft8k_$s.jsonl" \
                 lmcache,ours_layerwise,ours_sync $H --timeout 600 --cuda-graphs --passes 2 >"$R/$s.log" 2>&1 ;;
     stresslazy|stresstail) V=true; N=stress_lazy_gpuwait; [ $s = stresstail ] && V='"tail"' && N=stress_tail

@@ -30,6 +30,8 @@ LAYER_HOOKS = ("dynamo",)
 #: cost a cold request (A/B)
 #: ours_layerwise_delayfree: a finished request keeps all its blocks until its stores are done
 #: (hold_stored_blocks false: the behaviour before 2026-11-27) (A/B)
+#: ours_layerwise_afterfirst: the layer waits after the daemon's first layer group on the GPU
+#: (gpu_layer_waits after_first; the default, tail, only the last layers') (A/B)
 OURS = {"ours": {}, "ours_sync": {"load_mode": "sync"}, "ours_async": {"load_mode": "async"},
         "ours_layerwise": {"load_mode": "layerwise"},
         "ours_layerwise_noearly": {"load_mode": "layerwise", "early_loads": False},
@@ -43,7 +45,8 @@ OURS = {"ours": {}, "ours_sync": {"load_mode": "sync"}, "ours_async": {"load_mod
         "ours_layerwise_perlayer": {"load_mode": "layerwise", "cross_layer_blocks": False},
         "ours_layerwise_nofilter": {"load_mode": "layerwise", "presence_filter": False},
         "ours_layerwise_nostore": {"load_mode": "layerwise", "store_blocks": False},
-        "ours_layerwise_delayfree": {"load_mode": "layerwise", "hold_stored_blocks": False}}
+        "ours_layerwise_delayfree": {"load_mode": "layerwise", "hold_stored_blocks": False},
+        "ours_layerwise_afterfirst": {"load_mode": "layerwise", "gpu_layer_waits": "after_first"}}
 SYSTEMS = ("recompute", "baseline", "null", "native", "lmcache", "lmcache_timed", "dynamo", *OURS)
 
 

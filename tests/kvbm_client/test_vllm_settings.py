@@ -39,18 +39,18 @@ def test_a_malformed_early_loads_flag_is_refused(settings):
 
 @pytest.mark.parametrize("value,expected", [(None, "tail"), ("eager", "eager"), ("EAGER", "eager"),
                                             (True, "true"), ("on", "true"), (False, "false"), ("0", "false"),
-                                            ("tail", "tail"), (" Tail", "tail")])
+                                            ("tail", "tail"), (" Tail", "tail"), ("after_first", "after_first")])
 def test_gpu_layer_waits_default_to_the_last_layers_only(settings, value, expected):
     """Default "tail": only the last layers' waits on the GPU, under either module loading;
     "eager": every wait on the GPU only where CUDA loads kernels eagerly; true: under lazy
-    loading too; false: always on the CPU."""
+    loading too; after_first: those after the daemon's first layer group; false: always on the CPU."""
     extra = {} if value is None else {"gpu_layer_waits": value}
     got = settings.ConnectorSettings.from_extra(extra, "ns").gpu_layer_waits
     assert got is settings.GpuWaits(expected)
 
 
 def test_a_malformed_gpu_layer_waits_is_refused_with_the_choices(settings):
-    with pytest.raises(ValueError, match="gpu_layer_waits='lazy': true, false, eager or tail"):
+    with pytest.raises(ValueError, match="gpu_layer_waits='lazy': true, false, eager, tail or after_first"):
         settings.ConnectorSettings.from_extra({"gpu_layer_waits": "lazy"}, "ns")
 
 
@@ -60,6 +60,22 @@ def test_tail_layers_are_the_front_shapes_last_two_groups(settings, pages, group
     daemon's last two front-loaded groups: 36 pages in 6 groups end ..., 32, 35, 36), never
     none and never more than the block has."""
     assert settings.tail_layers(pages, groups) == expected
+
+
+@pytest.mark.parametrize("pages,groups", [(36, 6), (28, 6), (36, 2), (1, 6), (36, 64), (36, 1), (5, 4), (80, 7)])
+def test_first_group_end_is_the_daemons_first_group(settings, pages, groups):
+    """``gpu_layer_waits`` after_first waits on the CPU exactly for the pages of the worker
+    daemon's first front-loaded group (its own ``group_bounds``), so every later group's
+    layers wait on the GPU."""
+    from kvbm_worker.grouping import group_bounds
+    assert settings.first_group_end(pages, groups) == group_bounds(pages, groups)[0]
+
+
+@pytest.mark.parametrize("waits,expected", [("tail", 32), ("after_first", 11), ("true", 0), ("eager", 0)])
+def test_which_layer_waits_stay_on_the_cpu(settings, waits, expected):
+    """36 pages in 6 groups (11, 9, 7, 5, 3, 1): tail keeps the waits up to page 32 on the
+    CPU, after_first those up to page 11, true and eager none."""
+    assert settings.gpu_waits_from(settings.GpuWaits(waits), 36, 6) == expected
 
 
 @pytest.mark.parametrize("value", [0, -3])

@@ -50,6 +50,22 @@ class GpuWaits(str, enum.Enum):
     #: the others on the CPU: the engine's thread waits until the load is nearly done, then
     #: enqueues the rest of the forward (and its sampling) while the last groups are copied
     TAIL = "tail"
+    #: the waits after the daemon's first layer group (:func:`first_group_end`) on the GPU under
+    #: either module loading mode: the engine's thread waits on the CPU for the first group
+    #: (the daemon issues its first pieces without the engine enqueueing beside it), then
+    #: enqueues the whole rest of the forward at once, so an engine whose thread is slower per
+    #: layer than the copy (eager mode) never trails the copy's end
+    AFTER_FIRST = "after_first"
+
+
+def first_group_end(pages_per_block: int, layer_groups: int) -> int:
+    """The end page of the worker daemon's first front-loaded layer group (its
+    ``kvbm_worker.grouping.group_bounds``: 36 pages in 6 groups end at 11): the layers
+    ``gpu_layer_waits`` after_first waits for on the CPU."""
+    groups = max(1, min(layer_groups, pages_per_block))
+    later = groups - 1
+    end = pages_per_block - pages_per_block * later * later // (groups * groups)
+    return min(max(end, 1), pages_per_block - later)
 
 
 def tail_layers(pages_per_block: int, layer_groups: int) -> int:
@@ -59,17 +75,27 @@ def tail_layers(pages_per_block: int, layer_groups: int) -> int:
     return max(1, min(pages_per_block, round(pages_per_block * 4 / (layer_groups * layer_groups))))
 
 
+def gpu_waits_from(waits: GpuWaits, pages_per_block: int, layer_groups: int) -> int:
+    """Under ``waits``, a layer-pipelined load's waits for pages ending at or before the
+    returned page stay on the CPU (``GpuWait.gpu_from``; 0: every wait on the GPU)."""
+    if waits is GpuWaits.TAIL:
+        return pages_per_block - tail_layers(pages_per_block, layer_groups)
+    if waits is GpuWaits.AFTER_FIRST:
+        return first_group_end(pages_per_block, layer_groups)
+    return 0
+
+
 def parse_gpu_waits(value: Any) -> GpuWaits:
-    """``gpu_layer_waits`` from an engine's config: a boolean, "eager" or "tail"."""
+    """``gpu_layer_waits`` from an engine's config: a boolean, "eager", "tail" or "after_first"."""
     if isinstance(value, GpuWaits):
         return value
     word = str(value).strip().lower()
-    if word in (GpuWaits.EAGER.value, GpuWaits.TAIL.value):
+    if word in (GpuWaits.EAGER.value, GpuWaits.TAIL.value, GpuWaits.AFTER_FIRST.value):
         return GpuWaits(word)
     try:
         return GpuWaits.ON if parse_bool(value) else GpuWaits.OFF
     except ValueError:
-        raise ValueError(f"kv_connector_extra_config.gpu_layer_waits={value!r}: true, false, eager or tail") from None
+        raise ValueError(f"kv_connector_extra_config.gpu_layer_waits={value!r}: true, false, eager, tail or after_first") from None
 #: ``async_store_min_blocks`` default. A ``PrepareStore`` of a few blocks is short (1.2-1.4 ms for
 #: 10 on an H100 host), and in a warm request's step it is hidden behind the load's copy; asked
 #: for off the scheduler's thread it overlapped the forward's enqueueing instead, and the 20K warm

@@ -42,7 +42,7 @@ from ...signal_page import EngineSignals, SignalledRegion
 from .daemon_process import DaemonProcess
 from .layerwise import GpuWait, LayerwiseCall
 from .region_link import RegionLink
-from .settings import ConnectorSettings, GpuWaits, tail_layers
+from .settings import ConnectorSettings, gpu_waits_from
 from .specs import LoadSpec, RequestId, StoreSpec
 from .tracing import trace, tracing
 from .transfers import InFlight, TransferFuture, TransferTracker, unanswered
@@ -92,7 +92,7 @@ class WorkerCore:
         self._tainted_steps = 0  # steps whose stores are dropped (their forward read unloaded pages)
         self._store_thread: ThreadPoolExecutor | None = None
         self.signals: EngineSignals | None = None  # GPU layer waits (the page is on the GPU)
-        self._tail = settings.gpu_layer_waits is GpuWaits.TAIL  # only the last layers' waits on the GPU
+        self._gpu_waits = settings.gpu_layer_waits  # which layers' waits go on the GPU (see _gpu_wait)
         self._pages_per_block = 0
 
     def set_region(self, spec: RegionSpecLike | None, signals: EngineSignals | None = None) -> None:
@@ -158,7 +158,7 @@ class WorkerCore:
         signal = signals.take(self._pages_per_block) if signals is not None and signals.on_gpu else None
         if signals is None or signal is None:
             return None
-        gpu_from = self._pages_per_block - tail_layers(self._pages_per_block, layer_groups) if self._tail else 0
+        gpu_from = gpu_waits_from(self._gpu_waits, self._pages_per_block, layer_groups)
         return GpuWait(signals, signal, lambda exc: self._failure_settled(exc, due), _current_stream, due, gpu_from)
 
     def _failure_settled(self, exc: BaseException, due: float) -> bool:

@@ -136,13 +136,15 @@ class KvbmConnectorWorker:
             return None
         import torch
         signals = EngineSignals()
-        why = signals.enable_gpu(torch.cuda.current_device(), lazy_loading=waits in (GpuWaits.ON, GpuWaits.TAIL))
+        # every mode but "eager" waits on the GPU under lazy module loading too
+        why = signals.enable_gpu(torch.cuda.current_device(), lazy_loading=waits is not GpuWaits.EAGER)
         if why is not None:
             signals.close()
             log.info("kvbm: layer waits on the CPU: %s", why)  # (the default: CUDA loads kernels lazily)
             return None
         log.info("kvbm: layer waits on the GPU (a wait kernel on the signal page)%s",
-                 ": the last layers' only" if waits is GpuWaits.TAIL else "")
+                 {GpuWaits.TAIL: ": the last layers' only",
+                  GpuWaits.AFTER_FIRST: ": those after the first layer group"}.get(waits, ""))
         return signals
 
     def start_loads(self, meta: KvbmConnectorMetadata) -> None:
