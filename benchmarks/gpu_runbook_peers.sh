@@ -89,7 +89,8 @@
 #   first20   20K, eager, 3 passes: LMCache, kvbm layerwise (gpu_layer_waits tail, the default), kvbm
 #             layerwise with the waits after the first layer group on the GPU (ours_layerwise_afterfirst:
 #             does an engine thread that trails the copy end the forward later?); first20g with CUDA
-#             graphs, first8 on 8K (2026-11-27 fifteenth session)
+#             graphs, first8 on 8K (2026-11-27 fifteenth session); greedyfirst and stressfirst: the
+#             greedy (CUDA graphs) and stress checks of greedytail / stresstail with after_first
 # Earlier sessions' runs (other steps, other systems) are recorded in their result files' argv.
 . benchmarks/gpu_runbook_env.sh  # set -u, $R, step, A20, G8
 T=benchmarks/vllm_gpu_ttft.sh
@@ -167,11 +168,12 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
               python3 benchmarks/ttft_breakdown.py "$R/ttft${W%g}k_$s.jsonl" "$R/t${W%g}k_$s.jsonl" >>"$R/$s.log" 2>&1 ;;
     sync8g) KVBM_CONNECTOR_TRACE=$R/t8k_$s.jsonl $T "$R/ttft8k_$s.jsonl" \
                 lmcache,ours_layerwise,ours_sync $H --timeout 600 --cuda-graphs --passes 2 >"$R/$s.log" 2>&1 ;;
-    stresslazy|stresstail) V=true; N=stress_lazy_gpuwait; [ $s = stresstail ] && V='"tail"' && N=stress_tail
+    stresslazy|stresstail|stressfirst) V=true; N=stress_lazy_gpuwait; [ $s = stresstail ] && V='"tail"' && N=stress_tail
+              [ $s = stressfirst ] && V='"after_first"' && N=stress_afterfirst
               python3 -m tests.stress.run --users 12 --turns 3 --gpu 0 --async-scheduling on --block-size 16 \
               --dtype float32 --load-mode layerwise --kvbm-extra "{\"gpu_layer_waits\": $V}" --passes none \
               --skip-baseline-check --timeout 240 --work /tmp/sw --out "$R/$N.json" >"$R/$s.log" 2>&1 ;;
-    greedylazy|greedytail) V=gpuwait; [ $s = greedytail ] && V=tail
+    greedylazy|greedytail|greedyfirst) V=gpuwait; [ $s = greedytail ] && V=tail; [ $s = greedyfirst ] && V=afterfirst
                $T "$R/greedy8_${V}_graphs.jsonl" baseline,ours_layerwise_$V $G8 --cuda-graphs --timeout 600 \
                >"$R/$s.log" 2>&1 ;;
     spy20g) rm -f "$R/spy.stop"  # py-spy (collapsed stacks, every thread) of each engine process, in order
