@@ -39,6 +39,9 @@ def test_leader_kill_9_restart_rejects_old_plans_and_recovers(etcd, nats_server,
     took = wait_for(lambda: attached(node) == 2, 15, "workers re-attached to the new leader")
     assert took < 10
     before = [e.array.copy() for e in engines.values()]
+    # (the client's session may have been re-opened meanwhile, before the workers re-attached:
+    # it then knows no worker until it asks again)
+    client.refresh_workers()
     # The old plan is refused by every worker (new secret); nothing moved.
     with pytest.raises(KvbmRequestError, match="not signed by this node's leader"):
         client.start(stale, [10, 11, 12, 13])

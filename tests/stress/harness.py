@@ -111,7 +111,7 @@ class Run:
         self.marker_dir.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if not k.startswith("DYN_KVBM_")}
         env.update(PYTHONPATH=os.pathsep.join(filter(None, [self.src or str(REPO), os.environ.get("PYTHONPATH")])),
-                   VLLM_CACHE_ROOT=str(self.out.parent / "vllm-cache"))
+                   VLLM_CACHE_ROOT=os.environ.get("VLLM_CACHE_ROOT") or str(self.out.parent / "vllm-cache"))
         env.update(self.env)
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.engine.multiprocess else "0"
         if self.engine.model_runner != "default":

@@ -15,11 +15,18 @@ import pytest
 
 from kvbm_client.ids import WorkerId
 from kvbm_client.local_node import Daemon, LocalNode, isolated_env
+from support.vllm_cache import share_vllm_cache
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_VENV = Path(os.environ.get("KVBM_VLLM_VENV", REPO / ".venv-vllm"))
 VLLM_PY = VLLM_VENV / "bin" / "python"
 ENGINE_RUN = Path(__file__).with_name("engine_run.py")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_vllm_cache(tmp_path_factory) -> Path:
+    """vLLM's model inspection cached once for every engine of this process (``support.vllm_cache``)."""
+    return share_vllm_cache(tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
@@ -108,7 +115,7 @@ def run_engine(vllm_python: Path, model: Path, out: Path, *args: str, env: dict 
     (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the same scheduler, connector roles and forward; the
     same greedy tokens, measured), which starts in 19 s instead of 45 s on the 2-core CI machine."""
     run_env = dict(env or os.environ)
-    run_env.setdefault("VLLM_CACHE_ROOT", str(out.parent / "vllm-cache"))
+    run_env.setdefault("VLLM_CACHE_ROOT", str(out.parent / "vllm-cache"))  # (shared_vllm_cache sets one)
     run_env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
     log = open(out.with_suffix(".log"), "wb")
     proc = subprocess.Popen([str(vllm_python), str(ENGINE_RUN), "--model", str(model), "--out", str(out), *args],
