@@ -166,14 +166,6 @@ class NatsSubscriber:
     async def on_msg(self, msg) -> None:
         raise NotImplementedError
 
-    def connected(self) -> bool:
-        """Connected, with the subscription at the server (a round trip), e.g. again after
-        the server restarted."""
-        try:
-            return asyncio.run_coroutine_threadsafe(self._nc.flush(timeout=1), self._loop).result(2) is None
-        except Exception:
-            return False
-
     def close(self) -> None:
         try:
             asyncio.run_coroutine_threadsafe(self._nc.close(), self._loop).result(5)
