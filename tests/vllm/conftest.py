@@ -113,7 +113,8 @@ def run_engine(vllm_python: Path, model: Path, out: Path, *args: str, env: dict 
     beside the worker role; the tests that cover what crosses that boundary (region ids learned
     by the scheduler side, early loads) ask for it. The others run the engine core in-process
     (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the same scheduler, connector roles and forward; the
-    same greedy tokens, measured), which starts in 19 s instead of 45 s on the 2-core CI machine."""
+    same greedy tokens, measured), which started in 19 s instead of 45 s on the 2-core CI machine
+    (measured before ``shared_vllm_cache`` saved the model inspection's ~17 s per start)."""
     run_env = dict(env or os.environ)
     run_env.setdefault("VLLM_CACHE_ROOT", str(out.parent / "vllm-cache"))  # (shared_vllm_cache sets one)
     run_env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
