@@ -106,7 +106,7 @@ class AsyncKvbmClient:
         while not self._closed:
             await asyncio.sleep(core.renew_every_s)
             try:
-                await self._leader.KeepAlive(core.keepalive_request(), timeout=core.renew_every_s)
+                resp = await self._leader.KeepAlive(core.keepalive_request(), timeout=core.renew_every_s)
             except grpc.RpcError as exc:
                 if not core.reopen_after(exc):
                     log.debug("keepalive failed: %s", exc.code().name)
@@ -116,6 +116,14 @@ class AsyncKvbmClient:
                     log.warning("kvbm session re-opened")
                 except Exception as reopen:
                     log.debug("re-open failed: %s", reopen)
+                continue
+            if resp.ready and not core.workers:
+                # re-opened while the workers re-attached to a new leader: learn them again
+                try:
+                    await self.refresh_workers()
+                    log.info("kvbm: workers known again: %s", ", ".join(sorted(core.workers)) or "none")
+                except Exception as exc:  # noqa: BLE001 - the next keepalive tries again
+                    log.debug("refreshing the workers failed: %s", exc)
 
     async def close(self) -> None:
         """Close the session (releasing pins) and the channels; idempotent."""
@@ -267,7 +275,8 @@ class AsyncKvbmClient:
             raise KvbmRequestError(f"{len(blocks)} engine blocks for {handle.num_blocks} planned entries")
         targets = [WorkerId(w) for w in worker_ids or self.workers]
         if not targets:  # e.g. a session re-opened while the workers re-attached to a new leader
-            raise KvbmUnavailableError("no worker of this node is known; call refresh_workers()")
+            raise KvbmUnavailableError("no worker of this node is known yet (a session re-opened before the workers "
+                                       "attached learns them with a later keepalive, or call refresh_workers())")
         for worker_id in targets:
             lease = self._regions.get(worker_id)
             if lease is None:

@@ -40,7 +40,7 @@ def test_leader_kill_9_restart_rejects_old_plans_and_recovers(etcd, nats_server,
     assert took < 10
     before = [e.array.copy() for e in engines.values()]
     # (the client's session may have been re-opened meanwhile, before the workers re-attached:
-    # it then knows no worker until it asks again)
+    # it then knows no worker until its next keepalive; ask now)
     client.refresh_workers()
     # The old plan is refused by every worker (new secret); nothing moved.
     with pytest.raises(KvbmRequestError, match="not signed by this node's leader"):

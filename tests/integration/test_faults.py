@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from kvbm_client import KvbmUnavailableError, sequence_hashes
+from kvbm_client.ids import WorkerId
 
 
 def hashes(n: int, seed: int = 0):
@@ -47,6 +48,38 @@ def test_kill_9_worker_gives_clear_error_then_recovers(make_node):
     client.wait_ready(30)
     client.wait(client.offload(keys, [0, 1, 2, 3]))
     engines["0"].array[20:24] = 0
+    client.wait(client.onboard(keys, [20, 21, 22, 23]))
+    assert np.array_equal(engines["0"].array[20:24], engines["0"].array[0:4])
+
+
+def test_a_session_reopened_before_the_workers_attached_learns_them_by_itself(make_node):
+    """The leader restarts while its worker cannot attach yet (stopped): the client's keepalive
+    re-opens its session, which lists no worker. Once the worker is back, the client learns it
+    with a later keepalive, without being told to ``refresh_workers()``, and serves again."""
+    node = make_node(DYN_KVBM_SESSION_TTL_SECS="1.5")
+    client, engines = node.ready_client()
+    keys = hashes(4, 3)
+    first = client.session_id
+    worker = node.workers[WorkerId("0")]
+    worker.send_signal(signal.SIGSTOP)
+    try:
+        node.kill(node.leader)
+        node.start_leader()
+        deadline = time.monotonic() + 15
+        while client.session_id == first and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.session_id != first, "the session was not re-opened"
+        assert not client.workers, "re-opened while no worker was attached: it lists none"
+        assert client.offload(keys, [0, 1, 2, 3]).is_empty, "a leader without its workers plans nothing"
+    finally:
+        worker.send_signal(signal.SIGCONT)
+    node.wait_attached()
+    deadline = time.monotonic() + 10
+    while not client.workers and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert list(client.workers) == ["0"], "the client did not learn the re-attached worker"
+    client.wait_ready(20)
+    client.wait(client.offload(keys, [0, 1, 2, 3]))
     client.wait(client.onboard(keys, [20, 21, 22, 23]))
     assert np.array_equal(engines["0"].array[20:24], engines["0"].array[0:4])
 
