@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kvbm_client.ids import PlanKind, Tier
+from kvbm_client.layer_groups import group_bounds as group_bounds  # (its home: the engine side uses it too)
 
 from .jobs import PieceTimes
 from .plan_check import Batch
@@ -79,20 +80,6 @@ class Grouping:
     pieces: list[PieceTimes] | None = None
     #: the engine's signal words the load writes as its groups land (:mod:`.signals`)
     signals: JobSignals | None = None
-
-
-def group_bounds(pages_per_block: int, groups: int) -> list[int]:
-    """The end page of each of ``groups`` layer groups, front-loaded: after group ``g``, about
-    ``P * ((groups - 1 - g) / groups) ** 2`` of the ``P`` pages are left, so the groups shrink
-    and the last is about ``P / groups**2`` pages (36 pages in 6 groups: 11, 9, 7, 5, 3, 1).
-    None is empty; more groups than pages: a page each."""
-    groups = max(1, min(groups, pages_per_block))
-    ends: list[int] = []
-    for g in range(groups):
-        later = groups - 1 - g
-        end = pages_per_block - pages_per_block * later * later // (groups * groups)
-        ends.append(min(max(end, (ends[-1] if ends else 0) + 1), pages_per_block - later))
-    return ends
 
 
 def even_bounds(pages_per_block: int, groups: int) -> list[int]:

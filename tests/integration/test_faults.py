@@ -15,6 +15,7 @@ import pytest
 
 from kvbm_client import KvbmUnavailableError, sequence_hashes
 from kvbm_client.ids import WorkerId
+from support.probes import wait_for
 
 
 def hashes(n: int, seed: int = 0):
@@ -65,19 +66,14 @@ def test_a_session_reopened_before_the_workers_attached_learns_them_by_itself(ma
     try:
         node.kill(node.leader)
         node.start_leader()
-        deadline = time.monotonic() + 15
-        while client.session_id == first and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert client.session_id != first, "the session was not re-opened"
+        wait_for(lambda: client.session_id != first, "the session to be re-opened", 15)
         assert not client.workers, "re-opened while no worker was attached: it lists none"
         assert client.offload(keys, [0, 1, 2, 3]).is_empty, "a leader without its workers plans nothing"
     finally:
         worker.send_signal(signal.SIGCONT)
     node.wait_attached()
-    deadline = time.monotonic() + 10
-    while not client.workers and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert list(client.workers) == ["0"], "the client did not learn the re-attached worker"
+    wait_for(lambda: client.workers, "the client to learn the re-attached worker", 10)
+    assert list(client.workers) == ["0"]
     client.wait_ready(20)
     client.wait(client.offload(keys, [0, 1, 2, 3]))
     client.wait(client.onboard(keys, [20, 21, 22, 23]))

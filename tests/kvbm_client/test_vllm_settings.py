@@ -62,13 +62,14 @@ def test_tail_layers_are_the_front_shapes_last_two_groups(settings, pages, group
     assert settings.tail_layers(pages, groups) == expected
 
 
-@pytest.mark.parametrize("pages,groups", [(36, 6), (28, 6), (36, 2), (1, 6), (36, 64), (36, 1), (5, 4), (80, 7)])
-def test_first_group_end_is_the_daemons_first_group(settings, pages, groups):
+@pytest.mark.parametrize("pages,groups,expected", [(36, 6, 11), (28, 6, 9), (36, 2, 27), (1, 6, 1), (36, 64, 1),
+                                                   (36, 1, 36), (5, 4, 2), (80, 7, 22)])
+def test_first_group_end_is_the_daemons_first_group(settings, pages, groups, expected):
     """``gpu_layer_waits`` after_first waits on the CPU exactly for the pages of the worker
-    daemon's first front-loaded group (its own ``group_bounds``), so every later group's
-    layers wait on the GPU."""
-    from kvbm_worker.grouping import group_bounds
-    assert settings.first_group_end(pages, groups) == group_bounds(pages, groups)[0]
+    daemon's first front-loaded group (``kvbm_client.layer_groups.group_bounds``, which the
+    daemon copies in), so every later group's layers wait on the GPU."""
+    from kvbm_worker.grouping import group_bounds  # the daemon's
+    assert settings.first_group_end(pages, groups) == group_bounds(pages, groups)[0] == expected
 
 
 @pytest.mark.parametrize("waits,expected", [("tail", 32), ("after_first", 11), ("true", 0), ("eager", 0)])

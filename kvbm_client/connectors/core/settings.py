@@ -10,6 +10,7 @@ from typing import Any, Mapping
 from ...config import KvbmConfig, parse_bool
 from ...contract import MAX_LAYER_GROUPS
 from ...ids import WorkerId
+from ...layer_groups import group_bounds
 
 
 class LoadMode(str, enum.Enum):
@@ -59,13 +60,10 @@ class GpuWaits(str, enum.Enum):
 
 
 def first_group_end(pages_per_block: int, layer_groups: int) -> int:
-    """The end page of the worker daemon's first front-loaded layer group (its
-    ``kvbm_worker.grouping.group_bounds``: 36 pages in 6 groups end at 11): the layers
+    """The end page of the worker daemon's first front-loaded layer group
+    (:func:`~kvbm_client.layer_groups.group_bounds`: 36 pages in 6 groups end at 11): the layers
     ``gpu_layer_waits`` after_first waits for on the CPU."""
-    groups = max(1, min(layer_groups, pages_per_block))
-    later = groups - 1
-    end = pages_per_block - pages_per_block * later * later // (groups * groups)
-    return min(max(end, 1), pages_per_block - later)
+    return group_bounds(pages_per_block, layer_groups)[0]
 
 
 def tail_layers(pages_per_block: int, layer_groups: int) -> int:
