@@ -91,6 +91,11 @@
 #             does an engine thread that trails the copy end the forward later?); first20g with CUDA
 #             graphs, first8 on 8K (2026-11-27 fifteenth session); greedyfirst and stressfirst: the
 #             greedy (CUDA graphs) and stress checks of greedytail / stresstail with after_first
+#   gpu8      8K, eager: LMCache, kvbm (tail, the default), kvbm with every layer wait on the GPU
+#             (ours_layerwise_gpuwait): since the words left the copy stream (ninth session) not run on
+#             8K, where the engine's thread, not the copy, ends the forward; gpu20 the same on 20K;
+#             PASSES passes (default 3) (2026-11-27 sixteenth session); h2dspread: h2d plus 40 copies
+#             0.3 s apart (the host's own spread, under a load's p90)
 # Earlier sessions' runs (other steps, other systems) are recorded in their result files' argv.
 . benchmarks/gpu_runbook_env.sh  # set -u, $R, step, A20, G8
 T=benchmarks/vllm_gpu_ttft.sh
@@ -166,6 +171,12 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
               KVBM_CONNECTOR_TRACE=$R/t${W%g}k_$s.jsonl $T "$R/ttft${W%g}k_$s.jsonl" \
                 lmcache,ours_layerwise,ours_layerwise_afterfirst $X $H $O --passes 3 >"$R/$s.log" 2>&1
               python3 benchmarks/ttft_breakdown.py "$R/ttft${W%g}k_$s.jsonl" "$R/t${W%g}k_$s.jsonl" >>"$R/$s.log" 2>&1 ;;
+    gpu8|gpu20|gpu8g|gpu20g) W=${s#gpu}; O="--timeout 300"; X=""; [ "${W%g}" = 20 ] && X="$A20"
+              [ "${W%g}" != "$W" ] && O="--timeout 600 --cuda-graphs"
+              KVBM_CONNECTOR_TRACE=$R/t${W%g}k_$s.jsonl $T "$R/ttft${W%g}k_$s.jsonl" \
+                lmcache,ours_layerwise,ours_layerwise_gpuwait $X $H $O --passes ${PASSES:-3} >"$R/$s.log" 2>&1
+              python3 benchmarks/ttft_breakdown.py "$R/ttft${W%g}k_$s.jsonl" "$R/t${W%g}k_$s.jsonl" >>"$R/$s.log" 2>&1 ;;
+    h2dspread) python3 benchmarks/h2d_ceiling.py --spread 40 --json "$R/h2d_ceiling.json" >"$R/h2d.log" 2>&1 ;;
     sync8g) KVBM_CONNECTOR_TRACE=$R/t8k_$s.jsonl $T "$R/ttft8k_$s.jsonl" \
                 lmcache,ours_layerwise,ours_sync $H --timeout 600 --cuda-graphs --passes 2 >"$R/$s.log" 2>&1 ;;
     stresslazy|stresstail|stressfirst) V=true; N=stress_lazy_gpuwait; [ $s = stresstail ] && V='"tail"' && N=stress_tail

@@ -1,12 +1,17 @@
 """How fast can a 20K-token prefix (1268 blocks x 2.25 MiB, Qwen3-4B shape) get from pinned host
 memory into the GPU? The bound under kvbm's onboard time, measured several ways in one run.
 
-    python3 benchmarks/h2d_ceiling.py [--blocks 1268] [--block-mib 2.25] [--reps 5] [--json out.json]
+    python3 benchmarks/h2d_ceiling.py [--blocks 1268] [--block-mib 2.25] [--reps 5] [--spread N --gap-s S]
+                                      [--json out.json]
 
 Ways: one cudaMemcpyAsync of the whole contiguous range (the reference); the range split over 2
 and 4 streams at once; kvbm's path (cudaMemcpyBatchAsync of one copy per block, to scattered
 engine blocks); and an SM copy kernel that reads the pinned memory through UVA (cupy), which
 uses no copy engine. Prints GB/s and each way's ratio to the reference.
+
+``--spread N``: the reference copy again N times, ``--gap-s`` seconds apart (the GPU idles between
+them, as between a benchmark's requests), and its p50 / p90 / max: how much one host's own copy of
+the same bytes varies, the bound under a load's p90.
 """
 from __future__ import annotations
 
@@ -38,6 +43,9 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=1268)
     ap.add_argument("--block-mib", type=float, default=2.25)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--spread", type=int, default=0, help="time the reference copy this many more times, "
+                                                          "spaced, and report its spread [0: not]")
+    ap.add_argument("--gap-s", type=float, default=0.3, help="idle seconds between the --spread copies [0.3]")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     record = provenance()
@@ -108,11 +116,30 @@ def main() -> None:
     except ImportError as exc:
         print(json.dumps({"skipped": "sm copy", "why": repr(exc)}))
 
+    spread: dict[str, float | int] = {}
+    if args.spread > 0:
+        samples = []
+        for _ in range(args.spread):
+            time.sleep(args.gap_s)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            flat.copy_(host, non_blocking=True)
+            torch.cuda.synchronize()
+            samples.append((time.perf_counter() - t) * 1e3)
+        samples.sort()
+        spread = {"copies": len(samples), "gap_s": args.gap_s, "p50_ms": round(statistics.median(samples), 2),
+                  "p90_ms": round(samples[min(len(samples) - 1, int(0.9 * len(samples)))], 2),
+                  "min_ms": round(samples[0], 2), "max_ms": round(samples[-1], 2)}
+        print(f"one cudaMemcpyAsync, {len(samples)} copies {args.gap_s:g} s apart: p50 {spread['p50_ms']} "
+              f"p90 {spread['p90_ms']} min {spread['min_ms']} max {spread['max_ms']} ms")
+
     ref = results["one cudaMemcpyAsync"]
     rows = [{"way": k, "ms": round(v * 1e3, 2), "GB_s": round(nbytes / v / 1e9, 1), "vs_one_copy": round(ref / v, 3)}
             for k, v in results.items()]
     summary = {"provenance": record, "bytes": nbytes, "blocks": n, "block_bytes": block,
                "device": torch.cuda.get_device_name(0), "rows": rows}
+    if spread:
+        summary["spread"] = spread
     for r in rows:
         print(f"{r['way']:<46} {r['ms']:8.2f} ms {r['GB_s']:6.1f} GB/s  {r['vs_one_copy']:.3f}x")
     print(json.dumps({k: v for k, v in summary.items() if k != "provenance"}))
