@@ -95,7 +95,10 @@
 #             (ours_layerwise_gpuwait): since the words left the copy stream (ninth session) not run on
 #             8K, where the engine's thread, not the copy, ends the forward; gpu20 the same on 20K;
 #             PASSES passes (default 3) (2026-11-27 sixteenth session); h2dspread: h2d plus 40 copies
-#             0.3 s apart (the host's own spread, under a load's p90)
+#             0.3 s apart (the host's own spread, under a load's p90); launch: launch_under_copy.py (an
+#             engine's small GPU operations while another process copies host -> GPU); gc20: 20K eager,
+#             LMCache and kvbm, PASSES passes, the engine's long garbage collections traced (the
+#             breakdown's gc) and the daemons' logged (what the first warm request of a pass pays)
 # Earlier sessions' runs (other steps, other systems) are recorded in their result files' argv.
 . benchmarks/gpu_runbook_env.sh  # set -u, $R, step, A20, G8
 T=benchmarks/vllm_gpu_ttft.sh
@@ -176,6 +179,11 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
               KVBM_CONNECTOR_TRACE=$R/t${W%g}k_$s.jsonl $T "$R/ttft${W%g}k_$s.jsonl" \
                 lmcache,ours_layerwise,ours_layerwise_gpuwait $X $H $O --passes ${PASSES:-3} >"$R/$s.log" 2>&1
               python3 benchmarks/ttft_breakdown.py "$R/ttft${W%g}k_$s.jsonl" "$R/t${W%g}k_$s.jsonl" >>"$R/$s.log" 2>&1 ;;
+    launch) for n in 300 2000; do timeout 300 python3 benchmarks/launch_under_copy.py --launches $n \
+              --json "$R/launch_under_copy_$n.json" >>"$R/launch.log" 2>&1; done ;;
+    gc20) KVBM_LEADER_LOG=debug KVBM_CONNECTOR_TRACE=$R/t20k_$s.jsonl $T "$R/ttft20k_$s.jsonl" lmcache,ours_layerwise $A20 $H \
+            --timeout 300 --passes ${PASSES:-3} >"$R/$s.log" 2>&1
+          python3 benchmarks/ttft_breakdown.py "$R/ttft20k_$s.jsonl" "$R/t20k_$s.jsonl" >>"$R/$s.log" 2>&1 ;;
     h2dspread) python3 benchmarks/h2d_ceiling.py --spread 40 --json "$R/h2d_ceiling.json" >"$R/h2d.log" 2>&1 ;;
     sync8g) KVBM_CONNECTOR_TRACE=$R/t8k_$s.jsonl $T "$R/ttft8k_$s.jsonl" \
                 lmcache,ours_layerwise,ours_sync $H --timeout 600 --cuda-graphs --passes 2 >"$R/$s.log" 2>&1 ;;

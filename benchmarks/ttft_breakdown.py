@@ -42,6 +42,8 @@ the row's start time ``t0``:
              the interpreter lock or a CPU)
   copy_start t0 -> the copy sent to the worker daemon (front + lookup + to_copy)
   gpu_waits  layer-pipelined loads: the layer waits enqueued on the GPU (0: all on the CPU)
+  gc         the engine process's garbage collections of 2 ms or more while the request was
+             served, summed (traces from 2026-11-27 sixteenth session on; before: nan)
 """
 from __future__ import annotations
 
@@ -58,7 +60,7 @@ NOT_PEERS = ("baseline", "recompute", "null")
 TRACED_PEERS = ("lmcache_timed", "null")
 FIELDS = ("ttft", "front", "lookup", "to_copy", "head_start", "wait", "after_load", "ret", "store_prep", "alloc",
           "copy", "layer_wait", "first_group", "last_group", "settle", "forward",
-          "forward_cpu", "copy_start", "gpu_waits", "blocks")
+          "forward_cpu", "copy_start", "gpu_waits", "gc", "blocks")
 
 
 def load_runs(path: str, pass_index: int | None = None) -> list[dict]:
@@ -104,6 +106,7 @@ def warm_requests(rows: list[dict], events: list[dict]
 
 def breakdown(rows: list[dict], events: list[dict]) -> list[dict]:
     out = []
+    traced_gc = any(e["what"] in ("gc", "gc_watch") for e in events)
     for r, t0, t1, pick in warm_requests(rows, events):
         lookups, loads, finished = pick("prepare_load"), pick("load"), pick("finished")
         if not (lookups and loads and finished):
@@ -127,6 +130,7 @@ def breakdown(rows: list[dict], events: list[dict]) -> list[dict]:
                     "forward": pick("forward")[-1]["ms"] if pick("forward") else float("nan"),
                     "forward_cpu": pick("forward")[-1]["cpu_ms"] if pick("forward") else float("nan"),
                     "copy_start": (copy_start - t0) * 1e3, "gpu_waits": ld.get("gpu_waits", float("nan")),
+                    "gc": sum(e["ms"] for e in pick("gc")) if traced_gc else float("nan"),
                     "blocks": ld["blocks"]})
     return out
 

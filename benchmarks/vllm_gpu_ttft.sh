@@ -25,7 +25,7 @@
 # synchronous loads; {"cost_aware_loads":false}: load every hit, the behaviour before cost-aware loads).
 # KVBM_WORKER_ARGS: more kvbm-worker flags (e.g. --cuda-copy runs). KVBM_WORKER_LOG: the worker's
 # DYN_LOG alone (debug: one line per job, with a layer-grouped load's group times on the lane and
-# on the daemon's event loop, in $KVBM_LOGDIR/worker.log).
+# on the daemon's event loop, in $KVBM_LOGDIR/worker.log); KVBM_LEADER_LOG the same for the leader.
 # KVBM_LOGDIR: daemon logs and each engine's stderr (default /tmp/kvbm-logs).
 # KVBM_EAGER=1: kvbm's engines start with CUDA_MODULE_LOADING=EAGER, which GPU layer waits need
 # (kvbm_client/signal_page.py); vLLM 0.26 then did not start within 300 s on an H200 (2026-11-26).
@@ -46,7 +46,7 @@ if [[ ",$systems," == *",ours"* ]]; then
     export DYN_KVBM_DISK_CACHE_GB=$KVBM_G3_GB DYN_KVBM_DISK_CACHE_DIR=${KVBM_G3_DIR:-/tmp} \
       DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER=true
   fi
-  DYN_LOG=${DYN_LOG:-info} python3 -m kvbm_leader >>"$logdir/leader.log" 2>&1 & pids+=($!)
+  DYN_LOG=${KVBM_LEADER_LOG:-${DYN_LOG:-info}} python3 -m kvbm_leader >>"$logdir/leader.log" 2>&1 & pids+=($!)
   DYN_LOG=${KVBM_WORKER_LOG:-${DYN_LOG:-info}} python3 -m kvbm_worker --gpu 0 --no-nixl ${KVBM_WORKER_ARGS:-} >>"$logdir/worker.log" 2>&1 & pids+=($!)
   unset DYN_KVBM_CPU_CACHE_GB  # the harness sets it for the engine process
   export OURS_KTC='{"kv_connector":"KvbmConnector","kv_connector_module_path":"kvbm_client.connectors.vllm","kv_role":"kv_both","kv_load_failure_policy":"recompute","kv_connector_extra_config":'"${OURS_EXTRA:-{\}}"'}'

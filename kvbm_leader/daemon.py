@@ -19,7 +19,7 @@ from kvbm_client.config import KvbmConfig, add_config_arguments, config_from_arg
 from kvbm_client.contract import rpc
 from kvbm_client.endpoints import ensure_socket_dir, remove_unix_socket
 from kvbm_client.errors import KvbmConfigError
-from kvbm_client.heap import freeze_startup_heap
+from kvbm_client.heap import freeze_startup_heap, log_slow_collections
 from kvbm_client.security import create_node_key
 from kvbm_client.serving import make_server, start_server
 from kvbm_client.discovery import describe_self
@@ -158,6 +158,8 @@ async def run(daemon: LeaderDaemon) -> int:
             log.error("%s", exc)
             return 2
         freeze_startup_heap("leader")  # (the registry's blocks are untracked; see kvbm_client.heap)
+        if log.isEnabledFor(logging.DEBUG):
+            log_slow_collections("leader")
         barrier = asyncio.ensure_future(daemon.wait_for_workers())
         stopper = asyncio.ensure_future(stop.wait())
         await asyncio.wait({barrier, stopper}, return_when=asyncio.FIRST_COMPLETED)

@@ -27,7 +27,7 @@ from kvbm_client.config import KvbmConfig, add_config_arguments, config_from_arg
 from kvbm_client.contract import rpc
 from kvbm_client.endpoints import remove_unix_socket
 from kvbm_client.errors import KvbmConfigError
-from kvbm_client.heap import freeze_startup_heap
+from kvbm_client.heap import freeze_startup_heap, log_slow_collections
 from kvbm_client.ids import WorkerId
 from kvbm_client.logs import log_loop_stalls, setup_logging
 from kvbm_client.security import wait_node_key
@@ -132,6 +132,8 @@ async def run(daemon: WorkerDaemon) -> int:
                 log.error("%s", exc)
                 return 2
             freeze_startup_heap("worker")
+            if log.isEnabledFor(logging.DEBUG):
+                log_slow_collections("worker")  # (a collection stops the copy lane's thread too)
             await stopping
         else:
             log.info("stopped while starting")

@@ -24,6 +24,7 @@ except ImportError:  # pragma: no cover - older vLLM
 from ...ids import EngineBlockId
 from ...logs import attach_engine_logging
 from ..core.settings import ConnectorSettings, LoadMode, configured_load_mode, worker_ids
+from ..core.tracing import trace_collections
 from . import compat
 from .metadata import KvbmConnectorMetadata
 from .scheduler import KvbmConnectorScheduler
@@ -45,6 +46,7 @@ class KvbmConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         attach_engine_logging()
+        trace_collections()
         compat.check_version()
         ktc = vllm_config.kv_transfer_config
         extra = dict(getattr(ktc, "kv_connector_extra_config", None) or {})
