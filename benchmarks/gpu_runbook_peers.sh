@@ -98,7 +98,9 @@
 #             0.3 s apart (the host's own spread, under a load's p90); launch: launch_under_copy.py (an
 #             engine's small GPU operations while another process copies host -> GPU); gc20: 20K eager,
 #             LMCache and kvbm, PASSES passes, the engine's long garbage collections traced (the
-#             breakdown's gc) and the daemons' logged (what the first warm request of a pass pays)
+#             breakdown's gc) and the daemons' logged (what the first warm request of a pass pays);
+#             wu20, wu8: LMCache and kvbm, PASSES passes, each engine first takes an untimed warm turn
+#             (--warmup-turn: the first timed warm request is no longer the engine's first of its shape)
 # Earlier sessions' runs (other steps, other systems) are recorded in their result files' argv.
 . benchmarks/gpu_runbook_env.sh  # set -u, $R, step, A20, G8
 T=benchmarks/vllm_gpu_ttft.sh
@@ -184,6 +186,10 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
     gc20) KVBM_LEADER_LOG=debug KVBM_CONNECTOR_TRACE=$R/t20k_$s.jsonl $T "$R/ttft20k_$s.jsonl" lmcache,ours_layerwise $A20 $H \
             --timeout 300 --passes ${PASSES:-3} >"$R/$s.log" 2>&1
           python3 benchmarks/ttft_breakdown.py "$R/ttft20k_$s.jsonl" "$R/t20k_$s.jsonl" >>"$R/$s.log" 2>&1 ;;
+    wu20|wu8) W=${s#wu}; X=""; [ "$W" = 20 ] && X="$A20"
+          KVBM_CONNECTOR_TRACE=$R/t${W}k_$s.jsonl $T "$R/ttft${W}k_$s.jsonl" lmcache,ours_layerwise $X $H \
+            --warmup-turn --timeout 300 --passes ${PASSES:-3} >"$R/$s.log" 2>&1
+          python3 benchmarks/ttft_breakdown.py "$R/ttft${W}k_$s.jsonl" "$R/t${W}k_$s.jsonl" >>"$R/$s.log" 2>&1 ;;
     h2dspread) python3 benchmarks/h2d_ceiling.py --spread 40 --json "$R/h2d_ceiling.json" >"$R/h2d.log" 2>&1 ;;
     sync8g) KVBM_CONNECTOR_TRACE=$R/t8k_$s.jsonl $T "$R/ttft8k_$s.jsonl" \
                 lmcache,ours_layerwise,ours_sync $H --timeout 600 --cuda-graphs --passes 2 >"$R/$s.log" 2>&1 ;;

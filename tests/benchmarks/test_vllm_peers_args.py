@@ -199,3 +199,15 @@ def test_hit_fractions_are_not_measured_where_the_counters_missed_the_cached_tok
     """kvbm's rows on vLLM 0.26 (2026-11-26): 7424 tokens cached, both counters 0: unknown, not 0 %."""
     rows = [{"round": 1, "tokens": 7712, "cached": 7424, "g1_hit_tokens": 0, "external_hit_tokens": 0}]
     assert vllm_peers.hit_fractions(rows) == {"warm_g1_frac": None, "warm_external_frac": None}
+
+
+def test_the_warmup_turn_reaches_every_engine_process_and_takes_a_user_of_its_own():
+    assert vllm_peers.parse_args([]).warmup_turn is False
+    args = vllm_peers.parse_args(["--systems", "ours", "--warmup-turn", "--ctx-len", "300", "--sys-len", "20"])
+    assert vllm_peers.parse_args(vllm_peers.engine_cmd("ours", 1, args)[2:]).warmup_turn
+    assert not vllm_peers.parse_args(vllm_peers.engine_cmd("ours", 1, vllm_peers.parse_args([]))[2:]).warmup_turn
+    # the untimed user's two turns: the second extends the first (a hit), and neither is a timed user's prompt
+    (_, _, first), (_, _, second) = vllm_peers.workload(1, 2, 20, 300, 64, seed=99991)
+    assert second[:len(first)] == first and len(second) > len(first)
+    timed = [p for _, _, p in vllm_peers.workload(8, 3, 20, 300, 64)]
+    assert all(p[20:340] != first[20:340] for p in timed)
