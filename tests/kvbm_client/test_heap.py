@@ -84,3 +84,16 @@ def test_the_connector_traces_long_collections_of_its_process(tmp_path, monkeypa
         assert len(full) == 1 and full[0]["ms"] >= 0 and full[0]["pid"] == os.getpid(), events
     finally:
         gc.callbacks[:] = before
+
+
+def test_a_daemon_logs_its_long_collections_at_debug_level(caplog, monkeypatch):
+    before = list(gc.callbacks)
+    try:
+        watch = heap.log_slow_collections("worker", min_ms=0.0)
+        assert heap.log_slow_collections("worker", min_ms=0.0) is watch  # once per process and name
+        with caplog.at_level("DEBUG", logger="kvbm"):
+            gc.collect()
+        lines = [r.getMessage() for r in caplog.records if "garbage collection (generation 2)" in r.getMessage()]
+        assert len(lines) == 1 and lines[0].startswith("worker: ") and " ms, " in lines[0], lines
+    finally:
+        gc.callbacks[:] = before
