@@ -12,7 +12,7 @@ Frozen objects are never collected: cyclic garbage made before the call stays (s
 little). Objects made later are collected as before.
 
 :class:`CollectionWatch` says when a collection was long: a collection holds its thread, and with
-it the interpreter lock, so every thread of the process stops for it (the worker daemon's copy
+it the interpreter lock, so every Python thread of the process stops for it (the worker daemon's copy
 lane, the engine's thread that runs kvbm's connector). The daemons log each collection of at least
 ``min_ms`` at debug level; the connector also traces it (``KVBM_CONNECTOR_TRACE``), so a slow
 request in a benchmark can be matched with the pauses of its processes.
@@ -89,8 +89,9 @@ class CollectionWatch:
 
 def log_slow_collections(who: str, min_ms: float = SLOW_COLLECTION_MS) -> CollectionWatch:
     """Install a :class:`CollectionWatch` that logs each collection of ``min_ms`` or more at debug
-    level (``DYN_LOG=debug``) as ``<who>: garbage collection (generation G) held the process N ms``."""
+    level (``DYN_LOG=debug``) as ``<who>: garbage collection (generation G) took N ms, every Python
+    thread waiting``."""
     def report(generation: int, ms: float, collected: int) -> None:
-        log.debug("%s: garbage collection (generation %d) held the process %.1f ms, %d objects freed", who,
-                  generation, ms, collected)
+        log.debug("%s: garbage collection (generation %d) took %.1f ms, every Python thread waiting; "
+                  "%d objects freed", who, generation, ms, collected)
     return CollectionWatch(f"log {who}", report, min_ms).install()

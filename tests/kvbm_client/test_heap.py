@@ -94,6 +94,6 @@ def test_a_daemon_logs_its_long_collections_at_debug_level(caplog, monkeypatch):
         with caplog.at_level("DEBUG", logger="kvbm"):
             gc.collect()
         lines = [r.getMessage() for r in caplog.records if "garbage collection (generation 2)" in r.getMessage()]
-        assert len(lines) == 1 and lines[0].startswith("worker: ") and " ms, " in lines[0], lines
+        assert len(lines) == 1 and lines[0].startswith("worker: ") and " ms, every Python thread waiting" in lines[0], lines
     finally:
         gc.callbacks[:] = before
