@@ -18,7 +18,8 @@ whose layer hooks do work (``LAYER_HOOKS``).
 
 (Copied from ../shared/tools/vllm_peers.py; additions: --max-tokens and the output token ids in
 each row, for the greedy-equality check; each row's start time, to line up with
-KVBM_CONNECTOR_TRACE; each engine runs in its own process group, and one that outlives
+KVBM_CONNECTOR_TRACE; with --logdir each engine's stdout (vLLM's own log lines) beside its
+stderr; each engine runs in its own process group, and one that outlives
 --timeout gets SIGABRT first (with PYTHONFAULTHANDLER=1 every process of it prints its
 threads' stacks into --logdir) and then SIGKILL, so no leftover EngineCore holds the GPU.)
 
@@ -258,6 +259,10 @@ def run_engine(name, pass_index, args):
     if args.logdir:
         with open(os.path.join(args.logdir, f"{name}.stderr.log"), "a") as f:
             f.write(f"===== pass {pass_index} =====\n{stderr}")
+        # vLLM logs to stdout by default: its lines (not the result line) go beside the stderr
+        with open(os.path.join(args.logdir, f"{name}.stdout.log"), "a") as f:
+            kept = "\n".join(l for l in (stdout or "").splitlines() if not l.startswith('{"system"'))
+            f.write(f"===== pass {pass_index} =====\n{kept}\n")
     res["wall_s"] = round(time.time() - t, 1)
     return res
 

@@ -211,3 +211,17 @@ def test_the_warmup_turn_reaches_every_engine_process_and_takes_a_user_of_its_ow
     assert second[:len(first)] == first and len(second) > len(first)
     timed = [p for _, _, p in vllm_peers.workload(8, 3, 20, 300, 64)]
     assert all(p[20:340] != first[20:340] for p in timed)
+
+
+def test_an_engines_stdout_log_lines_are_kept_beside_its_stderr(tmp_path, monkeypatch):
+    # a stand-in for the engine process: vLLM's log line on stdout, the result line, a line on stderr
+    script = ("import sys; print('INFO vllm: engine started'); "
+              "print('{\"system\": \"ours\", \"rows\": []}'); print('a warning', file=sys.stderr)")
+    monkeypatch.setattr(vllm_peers, "engine_cmd", lambda name, pass_index, args: [sys.executable, "-c", script])
+    monkeypatch.setenv("OURS_KTC", OURS_KTC)
+    args = vllm_peers.parse_args(["--systems", "ours", "--logdir", str(tmp_path), "--timeout", "60"])
+    res = vllm_peers.run_engine("ours", 0, args)
+    assert res["system"] == "ours" and res["rows"] == []
+    out = (tmp_path / "ours.stdout.log").read_text()
+    assert "INFO vllm: engine started" in out and '{"system"' not in out and out.startswith("===== pass 0 =====")
+    assert "a warning" in (tmp_path / "ours.stderr.log").read_text()
