@@ -106,8 +106,8 @@ def main() -> None:
                     go.clear()
                     time.sleep(0.3)  # the copy in flight has ended
                 per[f"{op} {state}"].append(launches(op, args.launches))
-                if state == "copying":
-                    assert counter.value >= before, "the copier stalled"
+                if state == "copying":  # (a 2 GiB copy takes ~40 ms: several ran by now)
+                    assert counter.value > before, "no copy ran while the operations were timed"
             go.clear()
     finally:
         stop.set()
