@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvbm_client import ShmKvBuffer
-from support.vllm_cache import share_vllm_cache
+from support.vllm_cache import shared_vllm_cache  # noqa: F401 (autouse: one vLLM cache per process)
 
 from .harness import ensure_model, vllm_python
 from .node import NodeConfig, StressNode
@@ -30,12 +30,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "stress_long" in item.keywords:
             item.add_marker(skip)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def shared_vllm_cache(tmp_path_factory) -> Path:
-    """vLLM's model inspection cached once for every engine of this process (``support.vllm_cache``)."""
-    return share_vllm_cache(tmp_path_factory)
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,11 @@
-"""One vLLM cache directory per test process, for the tests that start vLLM engines."""
+"""One vLLM cache directory per test process, for the tests that start vLLM engines: a conftest
+that starts engines imports :func:`shared_vllm_cache` (an autouse session fixture)."""
 from __future__ import annotations
 
 import os
 from pathlib import Path
+
+import pytest
 
 
 def share_vllm_cache(tmp_path_factory) -> Path:
@@ -14,3 +17,9 @@ def share_vllm_cache(tmp_path_factory) -> Path:
     on every run."""
     os.environ.setdefault("VLLM_CACHE_ROOT", str(tmp_path_factory.mktemp("vllm-cache")))
     return Path(os.environ["VLLM_CACHE_ROOT"])
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_vllm_cache(tmp_path_factory) -> Path:
+    """vLLM's model inspection cached once for every engine of this process (:func:`share_vllm_cache`)."""
+    return share_vllm_cache(tmp_path_factory)

@@ -15,18 +15,12 @@ import pytest
 
 from kvbm_client.ids import WorkerId
 from kvbm_client.local_node import Daemon, LocalNode, isolated_env
-from support.vllm_cache import share_vllm_cache
+from support.vllm_cache import shared_vllm_cache  # noqa: F401 (autouse: one vLLM cache per process)
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_VENV = Path(os.environ.get("KVBM_VLLM_VENV", REPO / ".venv-vllm"))
 VLLM_PY = VLLM_VENV / "bin" / "python"
 ENGINE_RUN = Path(__file__).with_name("engine_run.py")
-
-
-@pytest.fixture(scope="session", autouse=True)
-def shared_vllm_cache(tmp_path_factory) -> Path:
-    """vLLM's model inspection cached once for every engine of this process (``support.vllm_cache``)."""
-    return share_vllm_cache(tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
