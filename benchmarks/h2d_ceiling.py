@@ -25,17 +25,24 @@ import torch
 from provenance import provenance
 
 
+def samples(fn, reps: int, gap_s: float = 0.0) -> list[float]:
+    """Seconds of each of ``reps`` calls of ``fn`` (each synchronised), ``gap_s`` idle before each."""
+    out = []
+    for _ in range(reps):
+        if gap_s:
+            time.sleep(gap_s)
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        out.append(time.perf_counter() - t)
+    return out
+
+
 def timed(fn, reps: int) -> float:
     """Median seconds of ``fn`` (each call synchronised), after one warm-up call."""
     fn()
     torch.cuda.synchronize()
-    samples = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        samples.append(time.perf_counter() - t)
-    return statistics.median(samples)
+    return statistics.median(samples(fn, reps))
 
 
 def main() -> None:
@@ -59,7 +66,9 @@ def main() -> None:
     flat = dev[:nbytes]
     results: dict[str, float] = {}
 
-    results["one cudaMemcpyAsync"] = timed(lambda: flat.copy_(host, non_blocking=True), args.reps)
+    def reference() -> None:
+        flat.copy_(host, non_blocking=True)
+    results["one cudaMemcpyAsync"] = timed(reference, args.reps)
 
     for k in (2, 4):
         streams = [torch.cuda.Stream() for _ in range(k)]
@@ -118,19 +127,11 @@ def main() -> None:
 
     spread: dict[str, float | int] = {}
     if args.spread > 0:
-        samples = []
-        for _ in range(args.spread):
-            time.sleep(args.gap_s)
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            flat.copy_(host, non_blocking=True)
-            torch.cuda.synchronize()
-            samples.append((time.perf_counter() - t) * 1e3)
-        samples.sort()
-        spread = {"copies": len(samples), "gap_s": args.gap_s, "p50_ms": round(statistics.median(samples), 2),
-                  "p90_ms": round(samples[min(len(samples) - 1, int(0.9 * len(samples)))], 2),
-                  "min_ms": round(samples[0], 2), "max_ms": round(samples[-1], 2)}
-        print(f"one cudaMemcpyAsync, {len(samples)} copies {args.gap_s:g} s apart: p50 {spread['p50_ms']} "
+        ms = sorted(x * 1e3 for x in samples(reference, args.spread, args.gap_s))
+        spread = {"copies": len(ms), "gap_s": args.gap_s, "p50_ms": round(statistics.median(ms), 2),
+                  "p90_ms": round(ms[min(len(ms) - 1, int(0.9 * len(ms)))], 2),
+                  "min_ms": round(ms[0], 2), "max_ms": round(ms[-1], 2)}
+        print(f"one cudaMemcpyAsync, {len(ms)} copies {args.gap_s:g} s apart: p50 {spread['p50_ms']} "
               f"p90 {spread['p90_ms']} min {spread['min_ms']} max {spread['max_ms']} ms")
 
     ref = results["one cudaMemcpyAsync"]
