@@ -106,6 +106,17 @@
 T=benchmarks/vllm_gpu_ttft.sh
 export KVBM_WORKER_LOG=${KVBM_WORKER_LOG:-debug}
 H=--hit-sources
+# One harness run of SYSTEMS for step $s, then its breakdown, both into $R/$s.log. The step's name
+# ends in its workload, 20 (A20) or 8 (the harness's default 8K), then "g" for CUDA graphs
+# (timeout 600 s, else 300 s); ARGS go to the harness last.
+#   peers SYSTEMS [ARGS...]
+peers() {
+  local Y=$1 W=${s//[!0-9]/} O="--timeout 300" X=""; shift
+  [ "$W" = 20 ] && X="$A20"
+  [ "${s%g}" != "$s" ] && O="--timeout 600 --cuda-graphs"
+  KVBM_CONNECTOR_TRACE=$R/t${W}k_$s.jsonl $T "$R/ttft${W}k_$s.jsonl" $Y $X $H $O "$@" >"$R/$s.log" 2>&1
+  python3 benchmarks/ttft_breakdown.py "$R/ttft${W}k_$s.jsonl" "$R/t${W}k_$s.jsonl" >>"$R/$s.log" 2>&1
+}
 for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
   step "start $s"
   case $s in
@@ -171,25 +182,12 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
                python3 benchmarks/ttft_breakdown.py "$R/ttft20k_$s.jsonl" "$R/t20k_$s.jsonl" >>"$R/$s.log" 2>&1 ;;
     coldholds20) KVBM_CONNECTOR_TRACE=$R/t20k_$s.jsonl $T "$R/ttft20k_$s.jsonl" \
                 baseline,ours_layerwise $A20 $H --timeout 300 --passes 3 >"$R/$s.log" 2>&1 ;;
-    first20|first20g|first8) W=${s#first}; O="--timeout 300"; X=""; [ "${W%g}" = 20 ] && X="$A20"
-              [ "${W%g}" != "$W" ] && O="--timeout 600 --cuda-graphs"
-              KVBM_CONNECTOR_TRACE=$R/t${W%g}k_$s.jsonl $T "$R/ttft${W%g}k_$s.jsonl" \
-                lmcache,ours_layerwise,ours_layerwise_afterfirst $X $H $O --passes 3 >"$R/$s.log" 2>&1
-              python3 benchmarks/ttft_breakdown.py "$R/ttft${W%g}k_$s.jsonl" "$R/t${W%g}k_$s.jsonl" >>"$R/$s.log" 2>&1 ;;
-    gpu8|gpu20|gpu8g|gpu20g) W=${s#gpu}; O="--timeout 300"; X=""; [ "${W%g}" = 20 ] && X="$A20"
-              [ "${W%g}" != "$W" ] && O="--timeout 600 --cuda-graphs"
-              KVBM_CONNECTOR_TRACE=$R/t${W%g}k_$s.jsonl $T "$R/ttft${W%g}k_$s.jsonl" \
-                lmcache,ours_layerwise,ours_layerwise_gpuwait $X $H $O --passes ${PASSES:-3} >"$R/$s.log" 2>&1
-              python3 benchmarks/ttft_breakdown.py "$R/ttft${W%g}k_$s.jsonl" "$R/t${W%g}k_$s.jsonl" >>"$R/$s.log" 2>&1 ;;
+    first20|first20g|first8) peers lmcache,ours_layerwise,ours_layerwise_afterfirst --passes 3 ;;
+    gpu8|gpu20|gpu8g|gpu20g) peers lmcache,ours_layerwise,ours_layerwise_gpuwait --passes ${PASSES:-3} ;;
     launch) for n in 300 2000; do timeout 300 python3 benchmarks/launch_under_copy.py --launches $n \
               --json "$R/launch_under_copy_$n.json" >>"$R/launch.log" 2>&1; done ;;
-    gc20) KVBM_LEADER_LOG=debug KVBM_CONNECTOR_TRACE=$R/t20k_$s.jsonl $T "$R/ttft20k_$s.jsonl" lmcache,ours_layerwise $A20 $H \
-            --timeout 300 --passes ${PASSES:-3} >"$R/$s.log" 2>&1
-          python3 benchmarks/ttft_breakdown.py "$R/ttft20k_$s.jsonl" "$R/t20k_$s.jsonl" >>"$R/$s.log" 2>&1 ;;
-    wu20|wu8) W=${s#wu}; X=""; [ "$W" = 20 ] && X="$A20"
-          KVBM_CONNECTOR_TRACE=$R/t${W}k_$s.jsonl $T "$R/ttft${W}k_$s.jsonl" lmcache,ours_layerwise $X $H \
-            --warmup-turn --timeout 300 --passes ${PASSES:-3} >"$R/$s.log" 2>&1
-          python3 benchmarks/ttft_breakdown.py "$R/ttft${W}k_$s.jsonl" "$R/t${W}k_$s.jsonl" >>"$R/$s.log" 2>&1 ;;
+    gc20) KVBM_LEADER_LOG=debug peers lmcache,ours_layerwise --passes ${PASSES:-3} ;;
+    wu20|wu8) peers lmcache,ours_layerwise --warmup-turn --passes ${PASSES:-3} ;;
     h2dspread) python3 benchmarks/h2d_ceiling.py --spread 40 --json "$R/h2d_ceiling.json" >"$R/h2d.log" 2>&1 ;;
     sync8g) KVBM_CONNECTOR_TRACE=$R/t8k_$s.jsonl $T "$R/ttft8k_$s.jsonl" \
                 lmcache,ours_layerwise,ours_sync $H --timeout 600 --cuda-graphs --passes 2 >"$R/$s.log" 2>&1 ;;
