@@ -101,6 +101,14 @@
 #             breakdown's gc) and the daemons' logged (what the first warm request of a pass pays);
 #             wu20, wu8: LMCache and kvbm, PASSES passes, each engine first takes an untimed warm turn
 #             (--warmup-turn: the first timed warm request is no longer the engine's first of its shape)
+#   killv1    issue 13's kill during a load on the GPU engine: the stress harness's kill-mid-load pass
+#             (kvbm layerwise; the worker holds back each later layer group of a load 1 s and is killed
+#             with kill -9 0.1 s into the first one held, then restarted; every output compared with vLLM
+#             alone) under vLLM's V1 model runner one step at a time (where vLLM recomputes a failed
+#             same-step load correctly); killv2 the same under vLLM 0.26's defaults (V2 runner, async
+#             scheduling: vllm#49250 expected to recompute it wrongly)
+#   every8g   8K, CUDA graphs, 2 passes: native, LMCache, Dynamo, kvbm in one run (proof8g without vLLM
+#             alone: it fits one session's device time) (2026-11-27 seventeenth session)
 # Earlier sessions' runs (other steps, other systems) are recorded in their result files' argv.
 . benchmarks/gpu_runbook_env.sh  # set -u, $R, step, A20, G8
 T=benchmarks/vllm_gpu_ttft.sh
@@ -188,6 +196,11 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
               --json "$R/launch_under_copy_$n.json" >>"$R/launch.log" 2>&1; done ;;
     gc20) KVBM_LEADER_LOG=debug peers lmcache,ours_layerwise --passes ${PASSES:-3} ;;
     wu20|wu8) peers lmcache,ours_layerwise --warmup-turn --passes ${PASSES:-3} ;;
+    killv1|killv2) M="--model-runner v1 --async-scheduling off"; [ $s = killv2 ] && M="--async-scheduling on"
+              python3 -m tests.stress.run --users 12 --turns 3 --gpu 0 $M --block-size 16 --dtype float32 \
+              --load-mode layerwise --passes kill-mid-load --skip-baseline-check --timeout 240 --work /tmp/sw \
+              --tag ${s#kill} --out "$R/stress_killmidload_${s#kill}.json" >"$R/$s.log" 2>&1 ;;
+    every8g) peers native,lmcache,dynamo,ours_layerwise --passes 2 ;;
     h2dspread) python3 benchmarks/h2d_ceiling.py --spread 40 --json "$R/h2d_ceiling.json" >"$R/h2d.log" 2>&1 ;;
     sync8g) KVBM_CONNECTOR_TRACE=$R/t8k_$s.jsonl $T "$R/ttft8k_$s.jsonl" \
                 lmcache,ours_layerwise,ours_sync $H --timeout 600 --cuda-graphs --passes 2 >"$R/$s.log" 2>&1 ;;

@@ -3,8 +3,12 @@
 Runs in the harness (kvbm venv). A timed fault strikes ``delay_s`` after the engine marked
 the start of wave ``wave`` (``wave-K.start`` in the marker directory) and lasts
 ``duration_s``: SIGSTOP then SIGCONT of the worker, or kill -9 of a daemon then its restart
-(as ``kvbm serve`` would restart it). Disk, stall and fail faults are no events: the worker
-runs with the test suite's fault wrapper (``tests/support/faults``) for the whole pass.
+(as ``kvbm serve`` would restart it). ``kill-mid-load`` strikes instead ``delay_s`` after the
+worker's first layer-grouped load began holding back its later groups (the fault wrapper's
+``KVBM_FAULT_GROUP_DELAY_SECS``, each group after the first ``spec`` seconds late, logged when a
+group is held): the worker dies with that load's later layers not landed, every time. Disk,
+stall and fail faults are no events: the worker runs with the test suite's fault wrapper
+(``tests/support/faults``) for the whole pass.
 """
 from __future__ import annotations
 
@@ -17,10 +21,16 @@ from pathlib import Path
 
 from .node import Daemon, StressNode
 
+#: what the fault wrapper logs when a layer-grouped load holds back a group (tests/support/faults)
+GROUP_HELD = "group delay:"
+
 
 class FaultKind(str, Enum):
     SIGSTOP = "sigstop"  # worker SIGSTOP for duration_s, then SIGCONT
     KILL_WORKER = "kill-worker"  # worker kill -9, restarted after duration_s
+    #: worker kill -9 while a layer-grouped load holds back its later groups (spec: seconds each
+    #: is held, KVBM_FAULT_GROUP_DELAY_SECS), restarted after duration_s
+    KILL_MID_LOAD = "kill-mid-load"
     KILL_LEADER = "kill-leader"  # leader kill -9, restarted after duration_s
     DISK_EIO = "disk-eio"  # every K-th G3 read/write returns EIO (spec: K, KVBM_FAULT_DISK_EIO_EVERY)
     STALL = "stall"  # chosen copies sleep on their lane (spec: KVBM_FAULT_STALL)
@@ -37,7 +47,8 @@ class Fault:
 
     @property
     def timed(self) -> bool:
-        return self.kind in (FaultKind.SIGSTOP, FaultKind.KILL_WORKER, FaultKind.KILL_LEADER)
+        return self.kind in (FaultKind.SIGSTOP, FaultKind.KILL_WORKER, FaultKind.KILL_LEADER,
+                             FaultKind.KILL_MID_LOAD)
 
     def worker_faults(self) -> tuple[tuple[str, str], ...]:
         """``(NAME, value)`` of the fault wrapper's ``KVBM_FAULT_<NAME>`` (tests/support/faults)."""
@@ -47,6 +58,8 @@ class Fault:
             return (("STALL", self.spec),)
         if self.kind is FaultKind.FAIL:
             return (("FAIL", self.spec),)
+        if self.kind is FaultKind.KILL_MID_LOAD:
+            return (("GROUP_DELAY_SECS", self.spec),)
         return ()
 
     def describe(self) -> dict:
@@ -96,7 +109,7 @@ class FaultInjector:
             while not self._stop.is_set() and (self.alive() or resume):
                 now = time.monotonic()
                 for fault in [f for f in pending if f not in due]:
-                    if (self.marker_dir / f"wave-{fault.wave}.start").exists():
+                    if self._armed(fault):
                         due[fault] = now + fault.delay_s
                 for fault in [f for f in pending if due.get(f, float("inf")) <= now]:
                     pending.remove(fault)
@@ -115,6 +128,13 @@ class FaultInjector:
             for _, proc in resume:
                 proc.send_signal(signal.SIGCONT)
 
+    def _armed(self, fault: Fault) -> bool:
+        """Whether ``fault``'s clock runs: its wave started, or (kill-mid-load) a load is
+        holding back a layer group (the wrapper logged it)."""
+        if fault.kind is FaultKind.KILL_MID_LOAD:
+            return any(GROUP_HELD in line for line in self.node.injected_faults())
+        return (self.marker_dir / f"wave-{fault.wave}.start").exists()
+
     def _strike(self, fault: Fault, now: float, resume: list, down_until: dict) -> None:
         node = self.node
         if fault.kind is FaultKind.SIGSTOP:
@@ -123,10 +143,11 @@ class FaultInjector:
             resume.append((now + fault.duration_s, proc))
             self._event("worker SIGSTOP")
             return
-        what = Daemon.WORKER if fault.kind is FaultKind.KILL_WORKER else Daemon.LEADER
+        what = Daemon.LEADER if fault.kind is FaultKind.KILL_LEADER else Daemon.WORKER
         down_until[what] = now + fault.duration_s
         node.kill(what)
-        self._event(f"{what.value} kill -9")
+        self._event(f"{what.value} kill -9" + (" while a load held back a layer group"
+                                               if fault.kind is FaultKind.KILL_MID_LOAD else ""))
 
     def _supervise(self, now: float, down_until: dict) -> None:
         """Start a daemon that exited again, as ``kvbm serve`` would."""

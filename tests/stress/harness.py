@@ -32,6 +32,7 @@ TIER_COUNTERS = ("kvbm_offload_blocks_d2h", "kvbm_offload_blocks_h2d", "kvbm_onb
 #: lines of the engine's log that count the connector's fallbacks
 ENGINE_LOG_COUNTS = {"loads_failed": "the engine recomputes it", "stores_failed": "kvbm store of",
                      "stores_dropped": "store plans are dropped", "worker_killed": "killing it, so that no late copy",
+                     "worker_exited_mid_load": "exited with a load in flight",
                      "vllm_recovered_load_failures": "Recovered from KV load failure",
                      "worker_lost": "will re-register", "leader_unreachable": "serving without kvbm hits"}
 

@@ -28,7 +28,7 @@ from .workload import WorkloadSpec, generate
 sys.path.insert(0, str(REPO / "benchmarks"))
 from provenance import provenance  # noqa: E402  (the record every benchmark result starts with)
 
-PASSES = ("none", "sigstop", "kill-worker", "kill-leader", "disk-eio")
+PASSES = ("none", "sigstop", "kill-worker", "kill-leader", "disk-eio", "kill-mid-load")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -71,6 +71,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     f.add_argument("--down-secs", type=float, default=2.0, help="a killed daemon's time before restart")
     f.add_argument("--eio-every", default="3",
                    help="the disk-eio pass: every K-th G3 read/write fails (KVBM_FAULT_DISK_EIO_EVERY)")
+    f.add_argument("--group-delay", default="1",
+                   help="the kill-mid-load pass (--load-mode layerwise): each layer group of a load after "
+                        "the first lands this many seconds late (KVBM_FAULT_GROUP_DELAY_SECS); the worker is "
+                        "killed --fault-delay-mid-load seconds after the first group was held back")
+    f.add_argument("--fault-delay-mid-load", type=float, default=0.1,
+                   help="the kill-mid-load pass: seconds after a load began holding back a group")
     p.add_argument("--skip-baseline-check", action="store_true")
     p.add_argument("--tag", default="", help="suffix of the pass directories (several runs in one --work)")
     p.add_argument("--debug", action="store_true", help="DYN_LOG=debug on the node, connector trace in the engine")
@@ -102,7 +108,23 @@ def fault_of(name: str, args) -> list[Fault]:
         return [Fault(kind, args.fault_wave, args.fault_delay, args.down_secs)]
     if kind is FaultKind.DISK_EIO:
         return [Fault(kind, spec=args.eio_every)]
+    if kind is FaultKind.KILL_MID_LOAD:
+        if args.load_mode != "layerwise":
+            raise SystemExit("the kill-mid-load pass needs --load-mode layerwise (only those loads land in groups)")
+        if not float(args.group_delay) > args.fault_delay_mid_load:
+            raise SystemExit("--group-delay must be longer than --fault-delay-mid-load (the kill must come "
+                             "while the group is held)")
+        return [Fault(kind, delay_s=args.fault_delay_mid_load, duration_s=args.down_secs, spec=args.group_delay)]
     raise SystemExit(f"unknown pass {name!r}; one of {', '.join(PASSES)}")
+
+
+def mid_load_error(outcome: dict) -> str | None:
+    """A kill-mid-load pass proves nothing unless the kill struck and the engine saw a load fail."""
+    if outcome.get("fault_errors"):
+        return "the kill did not strike: " + "; ".join(outcome["fault_errors"])
+    if not outcome.get("engine_log", {}).get("loads_failed"):
+        return "the worker was killed but no load failed in the engine (the kill hit no load)"
+    return None
 
 
 def src_diff(src: str) -> str:
@@ -117,6 +139,8 @@ def src_diff(src: str) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     settings = node_settings(args.node_env)  # a bad --node-env fails now, not after the baseline ran
+    for name in args.passes.split(","):  # so does a bad pass
+        fault_of(name, args)
     work = Path(args.work or f"/tmp/kvbm-stress-{time.strftime('%Y%m%d-%H%M%S')}")
     work.mkdir(parents=True, exist_ok=True)
     model = ensure_model(Path(args.model_dir))
@@ -144,6 +168,8 @@ def main(argv=None) -> int:
                                timeout_s=args.timeout, trace=args.debug)
         except EngineFailed as exc:
             outcome = {"name": name, "error": str(exc)}
+        if name == "kill-mid-load" and not outcome.get("error") and (error := mid_load_error(outcome)):
+            outcome["error"] = error
         failed |= bool(outcome.get("error") or outcome.get("differing_count"))
         result["passes"].append(outcome)
         print(json.dumps({k: v for k, v in outcome.items() if k not in ("differing", "node")}), flush=True)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from .harness import EngineConfig, Run, differing, run_baseline
+from .faults import Fault, FaultKind
+from .harness import EngineConfig, Run, differing, run_baseline, run_pass
 from .node import NodeConfig
 from .workload import Request, Wave, Workload
 
@@ -85,4 +86,27 @@ def test_blocks_computed_over_a_failed_load_are_never_stored(stress_model, stres
     out = _engine_window(stress_model, stress_node, tmp_path, workload, ("FAIL", "load:1"), job_timeout_s=30.0)
     assert out["result"]["engine_log"]["loads_failed"] >= 1, "A2's load did not fail"
     assert out["result"]["records"]["A3"]["cached"] >= 6 * 32, "A3's prefix did not come back from kvbm"
+    assert out["differing"] == []
+
+
+# ---------------------------------------------------------------------------- a worker killed mid-load
+def test_worker_killed_mid_layerwise_load_is_recomputed(stress_model, tmp_path):
+    """A-again's prefix comes back from kvbm in layer groups (``load_mode: layerwise``); the
+    worker holds back every group after the first for 3 s and is killed with kill -9 0.1 s into
+    the first one it holds. The forward has run the first layers over landed pages and waits for
+    the rest, which never land: the load fails, vLLM recomputes it, and every output equals vLLM
+    alone's (issue 13: "kill -9 the worker during a long load"). The CPU build runs the V1 model
+    runner one step at a time, where vLLM recomputes a failed same-step load correctly; the GPU
+    run of the same pass: ``python -m tests.stress.run --passes kill-mid-load``."""
+    evict = [Request(f"E{i}", _prompt(200 + i, 170), 8) for i in range(6)]
+    a, again = _a_and_again(again_max_tokens=8)
+    workload = Workload([a, again, *evict], [Wave(["A"]), Wave([r.id for r in evict]), Wave(["A-again"])])
+    engine = EngineConfig(g1_bytes=3 << 20, max_num_seqs=8, max_model_len=640, load_mode="layerwise")
+    baseline = run_baseline(stress_model, workload, engine, tmp_path / "baseline")
+    fault = Fault(FaultKind.KILL_MID_LOAD, delay_s=0.1, duration_s=1.0, spec="3")
+    out = run_pass("kill-mid-load", stress_model, workload, baseline, engine,
+                   NodeConfig(g2_blocks=256, g3_blocks=0, job_timeout_s=10.0), [fault], tmp_path / "kvbm")
+    assert out["fault_errors"] == []
+    assert [e["what"] for e in out["fault_events"]][:1] == ["worker kill -9 while a load held back a layer group"]
+    assert out["engine_log"]["loads_failed"] >= 1, "the kill hit no load"
     assert out["differing"] == []

@@ -54,6 +54,18 @@ class DaemonProcess:
             return True
         return bool(select.select([self._fd], [], [], 0)[0])
 
+    def wait_gone(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the held process to exit; True when it has (or
+        none is held)."""
+        if self._fd is None:
+            return True
+        end = time.monotonic() + timeout
+        while True:
+            if select.select([self._fd], [], [], max(0.0, end - time.monotonic()))[0]:
+                return True
+            if time.monotonic() >= end:
+                return False
+
     @property
     def held(self) -> bool:
         return self._fd is not None
@@ -71,11 +83,7 @@ class DaemonProcess:
         except OSError as exc:
             log.error("kvbm: cannot kill worker daemon pid %d: %s", self.pid, exc)
             return False
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if select.select([self._fd], [], [], max(0.0, end - time.monotonic()))[0]:
-                return True
-        return False
+        return self.wait_gone(timeout)
 
     def close(self) -> None:
         if self._fd is not None:

@@ -57,6 +57,8 @@ ANSWER_MARGIN_S = 5.0
 NO_DEADLINE_WAIT_S = 30.0
 #: Seconds to wait for a killed daemon to be gone.
 KILL_WAIT_S = 5.0
+#: Seconds an unanswering daemon gets to be seen exited (it died: no kill) before it is killed.
+EXIT_GRACE_S = 0.2
 
 
 def _current_stream() -> int:
@@ -179,14 +181,17 @@ class WorkerCore:
 
     def _held_daemon_gone(self) -> bool:
         """Whether the daemon's process we hold is gone, killed now if need be (False: no process
-        is held, or it survived the kill)."""
+        is held, or it survived the kill). A daemon that died closes its connections a moment
+        before the kernel reports it exited: it gets :data:`EXIT_GRACE_S` to be seen gone first."""
         if not self.daemon.held:
             return False
-        if self.daemon.gone():
+        if self.daemon.wait_gone(EXIT_GRACE_S):
+            log.warning("kvbm worker %s (pid %d) exited with a load in flight; no copy of it can land any more",
+                        self.worker_id, self.daemon.pid)
             return True
-        log.error("kvbm worker %s (pid %d) did not answer a load by its deadline; killing it, so that no late "
-                  "copy lands in blocks the engine reuses (its supervisor restarts it)", self.worker_id,
-                  self.daemon.pid)
+        log.error("kvbm worker %s (pid %d) did not answer a load (its deadline passed, or its connection broke) "
+                  "and still runs; killing it, so that no late copy lands in blocks the engine reuses (its "
+                  "supervisor restarts it)", self.worker_id, self.daemon.pid)
         return self.daemon.kill(KILL_WAIT_S)
 
     def _wait_for_answer(self, item: InFlight) -> None:
