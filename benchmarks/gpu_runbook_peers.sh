@@ -108,7 +108,8 @@
 #             same-step load correctly); killv2 the same under vLLM 0.26's defaults (V2 runner, async
 #             scheduling: vllm#49250 expected to recompute it wrongly)
 #   every8g   8K, CUDA graphs, 2 passes: native, LMCache, Dynamo, kvbm in one run (proof8g without vLLM
-#             alone: it fits one session's device time) (2026-11-27 seventeenth session)
+#             alone: it fits one session's device time); every20g the same on 20K (2026-11-27 seventeenth
+#             session)
 # Earlier sessions' runs (other steps, other systems) are recorded in their result files' argv.
 . benchmarks/gpu_runbook_env.sh  # set -u, $R, step, A20, G8
 T=benchmarks/vllm_gpu_ttft.sh
@@ -200,7 +201,7 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
               python3 -m tests.stress.run --users 12 --turns 3 --gpu 0 $M --block-size 16 --dtype float32 \
               --load-mode layerwise --passes kill-mid-load --skip-baseline-check --timeout 240 --work /tmp/sw \
               --tag ${s#kill} --out "$R/stress_killmidload_${s#kill}.json" >"$R/$s.log" 2>&1 ;;
-    every8g) peers native,lmcache,dynamo,ours_layerwise --passes 2 ;;
+    every8g|every20g) peers native,lmcache,dynamo,ours_layerwise --passes 2 ;;
     h2dspread) python3 benchmarks/h2d_ceiling.py --spread 40 --json "$R/h2d_ceiling.json" >"$R/h2d.log" 2>&1 ;;
     sync8g) KVBM_CONNECTOR_TRACE=$R/t8k_$s.jsonl $T "$R/ttft8k_$s.jsonl" \
                 lmcache,ours_layerwise,ours_sync $H --timeout 600 --cuda-graphs --passes 2 >"$R/$s.log" 2>&1 ;;

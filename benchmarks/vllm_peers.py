@@ -147,7 +147,8 @@ def hit_fractions(rows):
     if not warm:
         return {}
     if sum(x["g1_hit_tokens"] + x["external_hit_tokens"] for x in warm) < sum(x["cached"] for x in warm):
-        # vLLM's counters missed hits the outputs report (seen with kvbm's connector on vLLM 0.26):
+        # vLLM's counters missed hits the outputs report (vLLM 0.26: kvbm's, the native and Dynamo's
+        # connectors alike, in one run; LMCache's engine counted them):
         # not measured, rather than a share of 0
         return {"warm_g1_frac": None, "warm_external_frac": None}
     total = max(1, sum(x["tokens"] for x in warm))

@@ -88,6 +88,7 @@ class WorkerCore:
         self.worker_id = worker_id
         self.link = link or RegionLink(worker_id, settings)
         self.daemon = DaemonProcess(settings.worker_address(worker_id))
+        self._exit_told = 0  # the pid of the last daemon whose exit mid-load was logged
         self.tracker = TransferTracker(on_failure=self.link.failed, on_load_done=_trace_load,
                                        on_unanswered=self._stop_daemon)
         self.overlapping_steps = max(1, overlapping_steps)
@@ -186,8 +187,10 @@ class WorkerCore:
         if not self.daemon.held:
             return False
         if self.daemon.wait_gone(EXIT_GRACE_S):
-            log.warning("kvbm worker %s (pid %d) exited with a load in flight; no copy of it can land any more",
-                        self.worker_id, self.daemon.pid)
+            if self._exit_told != self.daemon.pid:  # once per process (the reader and the engine's thread ask)
+                self._exit_told = self.daemon.pid
+                log.warning("kvbm worker %s (pid %d) exited with a load in flight; no copy of it can land any more",
+                            self.worker_id, self.daemon.pid)
             return True
         log.error("kvbm worker %s (pid %d) did not answer a load (its deadline passed, or its connection broke) "
                   "and still runs; killing it, so that no late copy lands in blocks the engine reuses (its "
