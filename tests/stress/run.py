@@ -71,7 +71,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     f.add_argument("--down-secs", type=float, default=2.0, help="a killed daemon's time before restart")
     f.add_argument("--eio-every", default="3",
                    help="the disk-eio pass: every K-th G3 read/write fails (KVBM_FAULT_DISK_EIO_EVERY)")
-    f.add_argument("--group-delay", default="1",
+    f.add_argument("--group-delay", type=float, default=1.0,
                    help="the kill-mid-load pass (--load-mode layerwise): each layer group of a load after "
                         "the first lands this many seconds late (KVBM_FAULT_GROUP_DELAY_SECS); the worker is "
                         "killed --fault-delay-mid-load seconds after the first group was held back")
@@ -111,10 +111,10 @@ def fault_of(name: str, args) -> list[Fault]:
     if kind is FaultKind.KILL_MID_LOAD:
         if args.load_mode != "layerwise":
             raise SystemExit("the kill-mid-load pass needs --load-mode layerwise (only those loads land in groups)")
-        if not float(args.group_delay) > args.fault_delay_mid_load:
+        if not args.group_delay > args.fault_delay_mid_load:
             raise SystemExit("--group-delay must be longer than --fault-delay-mid-load (the kill must come "
                              "while the group is held)")
-        return [Fault(kind, delay_s=args.fault_delay_mid_load, duration_s=args.down_secs, spec=args.group_delay)]
+        return [Fault(kind, delay_s=args.fault_delay_mid_load, duration_s=args.down_secs, spec=f"{args.group_delay:g}")]
     raise SystemExit(f"unknown pass {name!r}; one of {', '.join(PASSES)}")
 
 
