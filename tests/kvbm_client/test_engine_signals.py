@@ -72,6 +72,9 @@ class Daemon:
     def gone(self):
         return self._gone
 
+    def wait_gone(self, timeout):  # a fake process does not exit by itself: as gone() now
+        return self._gone
+
     def kill(self, timeout):
         self.kills += 1
         self._gone = self.killable
@@ -96,10 +99,24 @@ def test_a_daemons_own_failure_releases_at_once_an_unanswered_one_after_the_daem
     for code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
         d = Daemon(held=True)
         assert core(d)._failure_settled(Err(code), later) and d.kills == 1
-    assert core(Daemon(held=True, gone=True))._failure_settled(Err(grpc.StatusCode.UNAVAILABLE), later)
+    exited = Daemon(held=True, gone=True)
+    assert core(exited)._failure_settled(Err(grpc.StatusCode.UNAVAILABLE), later) and exited.kills == 0
     stuck = Daemon(held=True, killable=False)
     assert not core(stuck)._failure_settled(Err(grpc.StatusCode.UNAVAILABLE), later)  # still there: not released
     assert not core(Daemon(held=False))._failure_settled(RuntimeError("stream broke"), later)  # cannot stop it here
+
+
+def test_a_daemon_that_exited_mid_load_is_not_killed_and_is_told_once(caplog):
+    """Both the progress reader and the engine's thread ask about the same dead daemon: one
+    warning that it exited, no kill, no "killing it"."""
+    exited = Daemon(held=True, gone=True)
+    c = core(exited)
+    with caplog.at_level("WARNING", logger="kvbm.connector"):
+        for _ in range(2):
+            assert c._held_daemon_gone()
+    assert exited.kills == 0
+    told = [r.getMessage() for r in caplog.records]
+    assert len(told) == 1 and "exited with a load in flight" in told[0] and "killing" not in told[0]
 
 
 def test_without_a_gpu_enabling_gpu_waits_says_why_and_leaves_the_cpu_waits():
