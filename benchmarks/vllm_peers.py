@@ -230,6 +230,10 @@ def engine_cmd(name, pass_index, args):
             + (["--warmup-turn"] if args.warmup_turn else []))
 
 
+#: how the engine process's result line (``engine``'s one JSON print) starts
+RESULT_LINE = '{"system"'
+
+
 def run_engine(name, pass_index, args):
     """Run one system in its own engine process and return its result line (the seam that
     ``peer_passes.run_passes`` calls; without ``"rows"`` where the engine failed)."""
@@ -239,7 +243,7 @@ def run_engine(name, pass_index, args):
                          text=True, env={**os.environ, **env}, start_new_session=True)
     try:
         stdout, stderr = p.communicate(timeout=args.timeout)
-        lines = [l for l in stdout.splitlines() if l.startswith('{"system"')]
+        lines = [l for l in stdout.splitlines() if l.startswith(RESULT_LINE)]
         res = json.loads(lines[-1]) if lines else {"system": name, "error": (stderr or stdout)[-1500:]}
     except subprocess.TimeoutExpired:
         import signal
@@ -258,12 +262,11 @@ def run_engine(name, pass_index, args):
         stdout, stderr = p.communicate()
         res = {"system": name, "error": f"timeout after {args.timeout}s: " + stderr[-800:]}
     if args.logdir:
-        with open(os.path.join(args.logdir, f"{name}.stderr.log"), "a") as f:
-            f.write(f"===== pass {pass_index} =====\n{stderr}")
         # vLLM logs to stdout by default: its lines (not the result line) go beside the stderr
-        with open(os.path.join(args.logdir, f"{name}.stdout.log"), "a") as f:
-            kept = "\n".join(l for l in (stdout or "").splitlines() if not l.startswith('{"system"'))
-            f.write(f"===== pass {pass_index} =====\n{kept}\n")
+        logged = "\n".join(l for l in (stdout or "").splitlines() if not l.startswith(RESULT_LINE)) + "\n"
+        for stream, text in (("stderr", stderr), ("stdout", logged)):
+            with open(os.path.join(args.logdir, f"{name}.{stream}.log"), "a") as f:
+                f.write(f"===== pass {pass_index} =====\n{text}")
     res["wall_s"] = round(time.time() - t, 1)
     return res
 

@@ -139,8 +139,7 @@ def src_diff(src: str) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     settings = node_settings(args.node_env)  # a bad --node-env fails now, not after the baseline ran
-    for name in args.passes.split(","):  # so does a bad pass
-        fault_of(name, args)
+    passes = [(name, fault_of(name, args)) for name in args.passes.split(",")]  # so does a bad pass
     work = Path(args.work or f"/tmp/kvbm-stress-{time.strftime('%Y%m%d-%H%M%S')}")
     work.mkdir(parents=True, exist_ok=True)
     model = ensure_model(Path(args.model_dir))
@@ -158,13 +157,13 @@ def main(argv=None) -> int:
     if not args.skip_baseline_check:
         result["baseline_stability"] = baseline_stability(model, workload, engine, work, baseline)
     failed = bool(result.get("baseline_stability", {}).get("differing"))
-    for name in args.passes.split(","):
+    for name, faults in passes:
         node = NodeConfig(g2_blocks=args.g2_blocks, g3_blocks=args.g3_blocks, no_nixl=args.no_nixl,
                           job_timeout_s=30.0 if name == "none" else args.job_timeout,
                           log_level="debug" if args.debug else "info", src=args.kvbm_src, gpu=args.gpu,
                           settings=settings)
         try:
-            outcome = run_pass(name + args.tag, model, workload, baseline, engine, node, fault_of(name, args), work,
+            outcome = run_pass(name + args.tag, model, workload, baseline, engine, node, faults, work,
                                timeout_s=args.timeout, trace=args.debug)
         except EngineFailed as exc:
             outcome = {"name": name, "error": str(exc)}

@@ -50,9 +50,7 @@ class DaemonProcess:
 
     def gone(self) -> bool:
         """The held process has exited (True when none is held)."""
-        if self._fd is None:
-            return True
-        return bool(select.select([self._fd], [], [], 0)[0])
+        return self.wait_gone(0.0)
 
     def wait_gone(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the held process to exit; True when it has (or
