@@ -110,6 +110,12 @@
 #   every8g   8K, CUDA graphs, 2 passes: native, LMCache, Dynamo, kvbm in one run (proof8g without vLLM
 #             alone: it fits one session's device time); every20g the same on 20K (2026-11-27 seventeenth
 #             session)
+#   lookup    lookup_latency.py: a 20K-token lookup's round trip, 90 ms apart as an engine's requests are,
+#             from this tree and (KVBM_LOOKUP_BASE=DIR, another tree's kvbm_* packages) the one before
+#             it, alternating, 4 passes; rpc: rpc_floor.py, a lookup-sized round trip without kvbm (a raw
+#             unix socket, grpc sync, grpc.aio on uvloop), back to back and 90 ms apart
+#   lk20g     20K, CUDA graphs, 2 passes: LMCache with its hooks timed, kvbm layerwise; then the
+#             breakdown of both (2026-11-28 eighteenth session: the leader's batched pins)
 # Earlier sessions' runs (other steps, other systems) are recorded in their result files' argv.
 . benchmarks/gpu_runbook_env.sh  # set -u, $R, step, A20, G8
 T=benchmarks/vllm_gpu_ttft.sh
@@ -202,6 +208,10 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
               --load-mode layerwise --passes kill-mid-load --skip-baseline-check --timeout 240 --work /tmp/sw \
               --tag ${s#kill} --out "$R/stress_killmidload_${s#kill}.json" >"$R/$s.log" 2>&1 ;;
     every8g|every20g) peers native,lmcache,dynamo,ours_layerwise --passes 2 ;;
+    lookup) timeout 500 python3 benchmarks/lookup_latency.py --gap-ms 90 --reps 100 --passes 4 \
+              ${KVBM_LOOKUP_BASE:+--src "$KVBM_LOOKUP_BASE"} --src . --json "$R/lookup_latency.json" >"$R/lookup.log" 2>&1 ;;
+    rpc) timeout 300 python3 benchmarks/rpc_floor.py --json "$R/rpc_floor.json" >"$R/rpc.log" 2>&1 ;;
+    lk20g) peers lmcache_timed,ours_layerwise --passes 2 ;;
     h2dspread) python3 benchmarks/h2d_ceiling.py --spread 40 --json "$R/h2d_ceiling.json" >"$R/h2d.log" 2>&1 ;;
     sync8g) KVBM_CONNECTOR_TRACE=$R/t8k_$s.jsonl $T "$R/ttft8k_$s.jsonl" \
                 lmcache,ours_layerwise,ours_sync $H --timeout 600 --cuda-graphs --passes 2 >"$R/$s.log" 2>&1 ;;

@@ -52,7 +52,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def one_pass(src: Path, blocks: int, reps: int, op: str = "load", node_env: dict[str, str] | None = None,
-             false_maybe: list[int] | None = None) -> list[float]:
+             false_maybe: list[int] | None = None, gap_s: float = 0.0) -> list[float]:
     """Lookup (``op`` load) or store-planning (store) round trips (ms) against a node run from ``src``
     (``node_env``: more ``DYN_KVBM_*`` settings of its daemons; ``false_maybe``: where ``miss_filter``
     appends its count of the filter's "maybe" answers for keys never stored)."""
@@ -88,6 +88,7 @@ def one_pass(src: Path, blocks: int, reps: int, op: str = "load", node_env: dict
                     session.release(handle)
                     if i >= 10:
                         samples.append(ms)
+                    time.sleep(gap_s)
                 session.close()
             finally:
                 client.close()
@@ -187,6 +188,10 @@ def main() -> int:
     ap.add_argument("--variant", action="append", default=[],
                     help="LABEL:KEY=VALUE,... daemon settings of one variant (repeat: each source runs every "
                          "variant, alternating), e.g. off:DYN_KVBM_PRESENCE_FILTER_SLOTS=0 [one, as configured]")
+    ap.add_argument("--gap-ms", type=float, default=0.0,
+                    help="idle time after each lookup's Release (--op load): the leader's deferred work (the hit "
+                         "counted, the release) done before the next lookup, as between a served engine's "
+                         "requests [0: back to back]")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     record = provenance()
@@ -199,7 +204,7 @@ def main() -> int:
     false_maybe: list[int] = []  # per filtered pass: the filter's "maybe" for keys never stored
     for p in range(args.passes):
         for src, op, (name, env) in (runs if p % 2 == 0 else runs[::-1]):
-            samples = one_pass(src, args.blocks, args.reps, op, env, false_maybe)
+            samples = one_pass(src, args.blocks, args.reps, op, env, false_maybe, args.gap_ms / 1e3)
             per[label(src, op, name)].append(samples)
             q = statistics.quantiles(samples, n=10)
             print(f"pass {p} {label(src, op, name)}: p50 {statistics.median(samples):.3f} ms p90 {q[8]:.3f} ms",

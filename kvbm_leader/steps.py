@@ -14,6 +14,7 @@ Protocol: ``step(n) -> bool`` (True once done), ``run()`` (all at once), ``resul
 """
 from __future__ import annotations
 
+from collections import Counter
 from typing import TYPE_CHECKING, Protocol, Sequence
 
 from kvbm_client.contract import MatchResult
@@ -103,19 +104,13 @@ class LoadStepper(_Cursor):
 
     def _do(self, start: int, stop: int) -> bool:
         reg, plan = self.policy.registry, self.plan
-        load_slot, pin = reg.load_slot, reg.pin_key
-        go_on = True
-        for i in range(start, stop):
-            key = self.keys[i]
-            found = load_slot(key)
-            if found is None:
-                go_on = False
-                break
-            pin(key)  # out of the LRUs until unpinned: a use, it comes back most recent
-            plan.keys.append(key)
-            plan.tiers.append(found[0])
-            plan.slots.append(found[1])
-        return go_on
+        tiers, slots = reg.load_slots(self.keys[start:stop])
+        keys = self.keys[start:start + len(slots)]
+        reg.pin_keys(keys)  # out of the LRUs until unpinned: a use, they come back most recent
+        plan.keys.extend(keys)
+        plan.tiers.extend(tiers)
+        plan.slots.extend(slots)
+        return len(slots) == stop - start
 
     def run(self) -> JobPlacement:
         self.step(self.total)
@@ -200,9 +195,6 @@ class CompletionStepper(_Cursor):
             if self._settle_copy(key, tier):
                 out.stored[tier] += 1
                 out.ready.append((key, tier))
-        elif plan.kind is PlanKind.LOAD:
-            self.policy.registry.unpin_key(key)
-            out.loaded[tier] += self.success
 
     def _promotion(self, i: int) -> None:
         move, reg = self.plan.promotions[i], self.policy.registry
@@ -211,8 +203,22 @@ class CompletionStepper(_Cursor):
         if entry is not None and entry.busy_job == self.plan.job_id:
             reg.set_busy(entry, None)
 
+    def _loads(self, start: int, stop: int) -> None:
+        """A load's entries ``start:stop`` settled: unpinned together (a load has no demotions
+        or promotions, only entries)."""
+        plan = self.plan
+        self.policy.registry.unpin_keys(plan.keys[start:stop])
+        if self.success:
+            loaded = self.outcome.loaded
+            for tier, n in Counter(plan.tiers[start:stop]).items():
+                loaded[tier] += n
+
     def _do(self, start: int, stop: int) -> bool:
         d, e = self._demotions, self._demotions + self._entries
+        if self.plan.kind is PlanKind.LOAD:
+            assert d == 0 and e == self.total, "a load plan carries entries only"
+            self._loads(start, stop)
+            return True
         for i in range(start, stop):
             if i < d:
                 self._demotion(i)

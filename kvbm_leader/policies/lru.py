@@ -8,8 +8,9 @@ keys, and every operation is O(1).
 """
 from __future__ import annotations
 
-from collections import OrderedDict
-from typing import Iterator
+from collections import OrderedDict, deque
+from itertools import repeat
+from typing import Iterable, Iterator
 
 from kvbm_client.ids import BlockHash
 
@@ -33,6 +34,11 @@ class LRUPolicy:
         self._order[key] = None
         self._order.move_to_end(key)
 
+    def add_many(self, keys: Iterable[BlockHash]) -> None:
+        """Add the ``keys`` not held yet as most recently used, in order; a held key keeps its
+        place (as :meth:`insert` would not: a key that comes back after a pin, not a use)."""
+        self._order.update(dict.fromkeys(keys))
+
     def touch(self, key: BlockHash) -> None:
         """A use of ``key``: most recently used (unknown keys are ignored)."""
         if key in self._order:
@@ -40,6 +46,10 @@ class LRUPolicy:
 
     def remove(self, key: BlockHash) -> None:
         self._order.pop(key, None)
+
+    def remove_many(self, keys: Iterable[BlockHash]) -> None:
+        """:meth:`remove` of each of ``keys`` (in one C-level pass)."""
+        deque(map(self._order.pop, keys, repeat(None)), maxlen=0)
 
     def candidates(self) -> Iterator[BlockHash]:
         """Keys from least to most recently used (do not mutate while iterating)."""
