@@ -3,7 +3,7 @@ stored prefix, as the scheduler role sends it for every new request, timed from 
 side, for one or more source trees in alternating passes; or (``--op store``) one
 ``PrepareStore`` of new blocks, as the scheduler role sends it in each step of a cold prefill.
 
-    python3 benchmarks/lookup_latency.py [--op load|store|miss] [--blocks 1258] [--reps 200] [--passes 3]
+    python3 benchmarks/lookup_latency.py [--op load|store|miss] [--blocks 1258] [--reps 200] [--passes 3] [--gap-ms 0]
                                          [--src DIR ...] [--variant LABEL:KEY=VALUE,... ...] [--json out.json]
 
 ``--op miss``: a cold request's lookup, ``--blocks`` keys never stored (a fresh salt each time)
@@ -223,7 +223,7 @@ def main() -> int:
     if false_maybe:
         print(f"presence filter: 'maybe' for {sum(false_maybe)} of {len(false_maybe) * (args.reps + 10)} keys never stored")
     if args.json:
-        Path(args.json).write_text(json.dumps({"provenance": record, "op": args.op, "blocks": args.blocks, "reps": args.reps,
+        Path(args.json).write_text(json.dumps({"provenance": record, "op": args.op, "blocks": args.blocks, "reps": args.reps, "gap_ms": args.gap_ms,
                                                "rows": rows, "client_side_ms": round(client, 3) if client is not None else None,
                                                "filter_false_maybe": sum(false_maybe) if false_maybe else None},
                                               indent=1) + "\n")
