@@ -33,3 +33,11 @@ def test_a_variant_is_a_label_and_daemon_settings() -> None:
         "off", {"DYN_KVBM_PRESENCE_FILTER_SLOTS": "0", "DYN_LOG": "debug"})
     assert lookup_latency.parse_variant("on") == ("on", {})
     assert lookup_latency.label(REPO, "store", "off") == f"{REPO} [off]"
+
+
+def test_a_gap_leaves_the_node_idle_between_lookups() -> None:
+    import time
+    start = time.monotonic()
+    samples = lookup_latency.one_pass(REPO, blocks=16, reps=3, op="load", gap_s=0.2)
+    assert len(samples) == 3
+    assert time.monotonic() - start >= 13 * 0.2, "the gap follows each of the 13 lookups (10 warm-up)"
