@@ -4,7 +4,8 @@ Runs in the leader; pure and synchronous. The policy holds only *evictable* copi
 unpinned, not being read by a demotion or promotion): the registry removes a copy when it
 stops being evictable and re-inserts it, as most recently used, when it becomes evictable
 again. So choosing a victim is a pop from the front, never a scan past pinned or pending
-keys, and every operation is O(1).
+keys, and every operation is O(1) per key (a load's whole prefix goes in or out in one
+C-level pass: ``add_many``, ``remove_many``).
 """
 from __future__ import annotations
 
