@@ -233,26 +233,19 @@ class BlockRegistry:
         first block the fastest tier lacks."""
         if not self._load_order:
             return [], []
-        (fast, fast_ready), slower = self._load_order[0], self._load_order[1:]
+        fast, fast_ready = self._load_order[0]
         slots: list[SlotId | None] = list(map(fast_ready.get, keys))
         try:
             n = slots.index(None)
         except ValueError:
             return [fast] * len(slots), slots  # type: ignore[return-value]  # no None in it
         tiers, found = [fast] * n, slots[:n]
-        for key, slot in zip(keys[n:], slots[n:]):
-            if slot is not None:
-                tiers.append(fast)
-                found.append(slot)
-                continue
-            for tier, ready in slower:
-                slot = ready.get(key)
-                if slot is not None:
-                    tiers.append(tier)
-                    found.append(slot)
-                    break
-            else:
+        for key in keys[n:]:
+            copy = self.load_slot(key)
+            if copy is None:
                 break
+            tiers.append(copy[0])
+            found.append(copy[1])
         return tiers, found  # type: ignore[return-value]  # the Nones stop the walk
 
     def is_free_key(self, key: BlockHash) -> bool:
