@@ -71,8 +71,7 @@ def serve(kind: str, path: str) -> None:
         async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             while True:
                 size = int.from_bytes(await reader.readexactly(4), "little")
-                _answer(await reader.readexactly(size))
-                writer.write(ANSWER_BYTES.to_bytes(4, "little") + _answer(b""))
+                writer.write(ANSWER_BYTES.to_bytes(4, "little") + _answer(await reader.readexactly(size)))
 
         server = await asyncio.start_unix_server(echo, path)
         await server.serve_forever()
