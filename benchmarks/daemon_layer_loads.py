@@ -24,10 +24,8 @@ alternating passes (A B A B), each on a freshly started node.
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import os
-import re
 import shlex
 import statistics
 import sys
@@ -39,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 from gpu_bench import Hogs
+from lane_issue import job_rows
 from provenance import provenance
 
 from kvbm_client import KvbmClient
@@ -50,12 +49,6 @@ from kvbm_client.local_node import LocalNode, isolated_env
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS, TOKENS, HEADS, DIM = 36, 16, 8, 128
-JOB_LINE = re.compile(r"job (\d+) load: (\d+) blocks, \d+ bytes in ([0-9.]+) ms; groups landed on the lane at "
-                      r"(\[[^]]*\]) ms, on the loop at (\[[^]]*\]) ms after the job started; pieces \(issue began, "
-                      r"issued, landed\) at (\[.*?\]) ms(?:; by the GPU's clock landed at (\[[^]]*\]) ms)?"
-                      r"(?:; the lane's CPU time issuing each piece (\[[^]]*\]) ms)?")
-
-
 def med(values: list[float]) -> float | None:
     return round(statistics.median(values), 2) if values else None
 
@@ -91,19 +84,7 @@ class Busy:
 
 def daemon_rows(log: Path) -> list[dict]:
     """The worker's debug line of each layer-grouped load, parsed."""
-    rows = []
-    for line in log.read_text(errors="replace").splitlines():
-        m = JOB_LINE.search(line)
-        if not m:
-            continue
-        pieces = ast.literal_eval(m.group(6))
-        gpu = ast.literal_eval(m.group(7)) if m.group(7) else []
-        rows.append({"job": int(m.group(1)), "blocks": int(m.group(2)), "lane_ms": float(m.group(3)),
-                     "groups_lane": ast.literal_eval(m.group(4)), "pieces": pieces, "gpu_landed": gpu,
-                     "issue_ms": [round(p[1] - p[0], 2) for p in pieces],
-                     "issue_cpu_ms": ast.literal_eval(m.group(8)) if m.group(8) else [],
-                     "first_issue_began": pieces[0][0] if pieces else None})
-    return rows
+    return job_rows(log.read_text(errors="replace"))
 
 
 def one_variant(name: str, flags: list[str], kv, args: argparse.Namespace, busy: Busy | None) -> dict:

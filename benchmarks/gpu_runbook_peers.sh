@@ -116,6 +116,12 @@
 #             unix socket, grpc sync, grpc.aio on uvloop), back to back and 90 ms apart
 #   lk20g     20K, CUDA graphs, 2 passes: LMCache with its hooks timed, kvbm layerwise; then the
 #             breakdown of both (2026-11-28 eighteenth session: the leader's batched pins)
+#   why20     20K, eager, kvbm layerwise alone, one harness run (its own service) per worker variant, in
+#             order: default, --copy-overlap-hint off, --copy-src-order any, --cuda-copy runs, default again;
+#             each run's worker log apart (worker_why_V.log) and lane_issue.py over all of them (why the
+#             lane's issue CPU beside vLLM grows with a piece's bytes; 2026-11-28 nineteenth session)
+#   alone20   daemon_layer_loads.py, 1258-block loads through the real daemons without an engine (24 GB
+#             G2), default and --copy-overlap-hint off, one pass: the same lane figures without vLLM
 # Earlier sessions' runs (other steps, other systems) are recorded in their result files' argv.
 . benchmarks/gpu_runbook_env.sh  # set -u, $R, step, A20, G8
 T=benchmarks/vllm_gpu_ttft.sh
@@ -212,6 +218,18 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
               ${KVBM_LOOKUP_BASE:+--src "$KVBM_LOOKUP_BASE"} --src . --json "$R/lookup_latency.json" >"$R/lookup.log" 2>&1 ;;
     rpc) timeout 300 python3 benchmarks/rpc_floor.py --json "$R/rpc_floor.json" >"$R/rpc.log" 2>&1 ;;
     lk20g) peers lmcache_timed,ours_layerwise --passes 2 ;;
+    why20) for v in "default=" "hintoff=--copy-overlap-hint off" "srcany=--copy-src-order any" \
+                   "runs=--cuda-copy runs" "default2="; do
+             n=${v%%=*}; f=${v#*=}; w=/tmp/kvbm-logs/worker.log; l=$(cat "$w" 2>/dev/null | wc -l)
+             KVBM_WORKER_ARGS="$f" KVBM_CONNECTOR_TRACE=$R/t20k_why_$n.jsonl $T "$R/ttft20k_why_$n.jsonl" \
+               ours_layerwise $A20 $H --timeout 300 >>"$R/$s.log" 2>&1
+             tail -n +$((l + 1)) "$w" >"$R/worker_why_$n.log"; step "why20 $n done"
+           done
+           python3 benchmarks/lane_issue.py "$R"/worker_why_*.log --min-blocks 1000 --json "$R/lane_issue_why20.json" \
+             >>"$R/$s.log" 2>&1 ;;
+    alone20) python3 benchmarks/daemon_layer_loads.py --blocks 1258 --reps 10 --variant default= \
+               --variant "hintoff=--copy-overlap-hint off" --passes 1 --g2-gb 24 --json "$R/alone20.json" \
+               >"$R/alone20.log" 2>&1 ;;
     h2dspread) python3 benchmarks/h2d_ceiling.py --spread 40 --json "$R/h2d_ceiling.json" >"$R/h2d.log" 2>&1 ;;
     sync8g) KVBM_CONNECTOR_TRACE=$R/t8k_$s.jsonl $T "$R/ttft8k_$s.jsonl" \
                 lmcache,ours_layerwise,ours_sync $H --timeout 600 --cuda-graphs --passes 2 >"$R/$s.log" 2>&1 ;;

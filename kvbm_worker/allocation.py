@@ -29,6 +29,7 @@ from kvbm_client.ids import Tier
 
 from .grouping import GroupPacing
 from .handlers.cuda_copier import CopyMechanism
+from .handlers.cudart_direct import CopyHints
 from .handlers.disk import open_disk_io
 from .handlers.disk_guard import TimedDiskIO
 from .lanes import Lanes
@@ -44,6 +45,7 @@ class DataPath:
 
     gpu: int | None = None  # CUDA device: CUDA IPC regions, pinned G2, CUDA streams
     cuda_copy: CopyMechanism = CopyMechanism.AUTO
+    copy_hints: CopyHints = CopyHints()  # the batched copies' attributes
     prefer_nixl: bool = True  # G3 through NIXL's POSIX backend when it loads
     pacing: GroupPacing = GroupPacing()  # how layer-grouped loads are cut and queued
 
@@ -203,7 +205,7 @@ class PoolAllocator:
         from .handlers.cuda import CudaMover  # lazy: CUDA only on a GPU worker
         return CudaMover(host, disk, disk_io, host_checksums=checksums, pacing=self.path.pacing,
                          device=self.path.gpu,
-                         mechanism=self.path.cuda_copy, progress=progress.second_half, deadline=progress.deadline)
+                         mechanism=self.path.cuda_copy, hints=self.path.copy_hints, progress=progress.second_half, deadline=progress.deadline)
 
     @property
     def disk_index(self) -> str:

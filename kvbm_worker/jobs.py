@@ -15,6 +15,7 @@ Pure bookkeeping (no I/O): the job runner (:mod:`kvbm_worker.runner`) owns the t
 from __future__ import annotations
 
 import asyncio
+import resource
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -49,20 +50,44 @@ class Moved:
     seconds: float
 
 
+RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)  # (Linux: this thread alone)
+
+
+@dataclass(frozen=True, slots=True)
+class ThreadUsage:
+    """What the calling thread has used (``getrusage(RUSAGE_THREAD)``): CPU seconds (user and
+    kernel), of them in the kernel (split by the scheduler's tick samples: per load, not per
+    piece), minor page faults, involuntary context switches. ``since`` gives a span's share."""
+
+    cpu: float
+    sys: float
+    faults: int
+    preempted: int
+
+    @staticmethod
+    def now() -> "ThreadUsage":
+        r = resource.getrusage(RUSAGE_THREAD)
+        return ThreadUsage(r.ru_utime + r.ru_stime, r.ru_stime, r.ru_minflt, r.ru_nivcsw)
+
+    def since(self, start: "ThreadUsage") -> "ThreadUsage":
+        return ThreadUsage(self.cpu - start.cpu, self.sys - start.sys, self.faults - start.faults,
+                           self.preempted - start.preempted)
+
+
 @dataclass(frozen=True, slots=True)
 class PieceTimes:
     """One piece of a layer-grouped load, for the job's debug line: perf_counter times on the
     lane when its issue began, when it was issued and when the lane saw it landed; ``gpu_ms``:
     when it landed by the GPU's clock, ms after a mark the medium recorded right before the
-    first piece was issued (None where the medium has no such clock); ``cpu_ms``: the lane
-    thread's own CPU time while it issued the piece (much less than ``issued - began``: the
+    first piece was issued (None where the medium has no such clock); ``usage``: what the lane
+    thread used while it issued the piece (CPU time much less than ``issued - began``: the
     thread waited, for the interpreter lock or a CPU)."""
 
     began: float
     issued: float
     landed: float
     gpu_ms: float | None = None
-    cpu_ms: float | None = None
+    usage: ThreadUsage | None = None
 
 
 @dataclass(slots=True)
@@ -111,8 +136,11 @@ class Landed:
         if self.pieces and all(p.gpu_ms is not None for p in self.pieces):
             first = ms(self.pieces[0].began)  # the GPU's mark was recorded right before this
             line += f"; by the GPU's clock landed at {[round(first + (p.gpu_ms or 0.0), 1) for p in self.pieces]} ms"
-        if self.pieces and all(p.cpu_ms is not None for p in self.pieces):
-            line += f"; the lane's CPU time issuing each piece {[round(p.cpu_ms or 0.0, 2) for p in self.pieces]} ms"
+        used = [p.usage for p in self.pieces if p.usage is not None]
+        if used and len(used) == len(self.pieces):
+            line += (f"; the lane's CPU time issuing each piece {[round(u.cpu * 1e3, 2) for u in used]} ms, "
+                     f"{sum(u.sys for u in used) * 1e3:.1f} ms of it in the kernel; minor page faults per piece "
+                     f"{[u.faults for u in used]}; preempted {sum(u.preempted for u in used)} times")
         return line
 
 

@@ -42,7 +42,7 @@ from .handlers import cpu
 from .handlers.disk_guard import DiskHung, DiskTimeout, TimedDiskIO
 from .id_arrays import EngineBlocks, Slots
 from .grouping import DMA_FLOOR_BPS, GroupPacing, Grouping as Grouping, group_pieces, groupable
-from .jobs import JobKey, PieceTimes
+from .jobs import JobKey, PieceTimes, ThreadUsage
 from .lanes import Lane
 from .pending import DONE, Pending
 from .plan_check import Batch
@@ -193,7 +193,7 @@ class BlockMover:
             pieces = group_pieces(len(blocks), grouping.bounds, region.page_bytes, self.pacing.piece_bytes)
             depth = self.pacing.ahead or len(pieces)
         issued: list[Pending] = []
-        in_flight: deque[tuple[Pending, Slots, tuple[int, int] | None, bool, float, float, int, float]] = deque()
+        in_flight: deque[tuple[Pending, Slots, tuple[int, int] | None, bool, float, float, int, ThreadUsage]] = deque()
         times = grouping.pieces if grouping is not None else None
         mark = self._gpu_mark() if times is not None else None
         queued = 0  # bytes of the layer-grouped pieces in flight
@@ -201,14 +201,14 @@ class BlockMover:
                              lambda slot, value: self._signal(region, slot, value))
 
         def settle(copy: Pending, to: Slots, pages: tuple[int, int] | None, group_done: bool, began: float,
-                   sent: float, nbytes: int, cpu: float) -> None:
+                   sent: float, nbytes: int, used: ThreadUsage) -> None:
             nonlocal queued
             copy.wait()
             queued -= nbytes
             if times is not None:
                 landed = time.perf_counter()
                 times.append(PieceTimes(began, sent, landed, self._gpu_ms(mark, copy) if mark is not None else None,
-                                        cpu * 1e3))
+                                        used))
             if sums is not None and kind is PlanKind.STORE:
                 sums.seal(to, host.slots, to)
             if group_done and grouping is not None and pages is not None:
@@ -219,7 +219,7 @@ class BlockMover:
                 nbytes = 0 if pages is None else (hi - lo) * (pages[1] - pages[0]) * region.page_bytes
                 queued += nbytes  # (layer-grouped pieces only)
                 self._check_time(until - queued / DMA_FLOOR_BPS)
-                began, cpu = time.perf_counter(), time.thread_time()
+                began, usage = time.perf_counter(), ThreadUsage.now()
                 b, s = EngineBlocks(blocks[lo:hi]), Slots(slots[lo:hi])
                 if kind is PlanKind.STORE:
                     if sums is not None:
@@ -230,7 +230,7 @@ class BlockMover:
                         self._verify(sums, Tier.HOST, s, host.slots, s)
                     issued.append(self._from_slots(region, b, host.slots, s, pages, mark is not None))
                 in_flight.append((issued[-1], s, pages, last, began, time.perf_counter(), nbytes,
-                                  time.thread_time() - cpu))
+                                  ThreadUsage.now().since(usage)))
                 issued.extend(words.group_issued(pages[1]) if last and pages is not None else words.catch_up())
                 # settle what landed (a synchronous medium's piece at once); keep at most ``depth`` queued
                 while in_flight and (len(in_flight) > depth or in_flight[0][0].landed()):

@@ -38,6 +38,7 @@ from ..cuda_region import CudaEngineRegion, CudaError, check, cudart
 from ..id_arrays import EngineBlocks
 from ..runs import page_range, segments
 from . import cudart_direct
+from .cudart_direct import CopyHints
 from .pinned import PinnedHost
 from .signal_words import SignalWords
 
@@ -108,7 +109,7 @@ class CudaCopier:
     """
 
     def __init__(self, device: int, pinned: PinnedHost, mechanism: str = CopyMechanism.AUTO,
-                 staging_bytes: int = STAGING_BYTES) -> None:
+                 staging_bytes: int = STAGING_BYTES, hints: CopyHints = CopyHints()) -> None:
         import torch
         if mechanism not in MECHANISMS:
             raise ValueError(f"unknown copy mechanism {mechanism!r}; one of {', '.join(MECHANISMS)}")
@@ -125,14 +126,16 @@ class CudaCopier:
         self._attr = None
         if hasattr(rt, "cudaMemcpyBatchAsync"):
             attr = rt.cudaMemcpyAttributes()
-            attr.srcAccessOrder = rt.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
-            attr.flags = rt.cudaMemcpyFlags.cudaMemcpyFlagPreferOverlapWithCompute
+            order = rt.cudaMemcpySrcAccessOrder
+            attr.srcAccessOrder = order.cudaMemcpySrcAccessOrderAny if hints.src_any else \
+                order.cudaMemcpySrcAccessOrderStream
+            attr.flags = rt.cudaMemcpyFlags.cudaMemcpyFlagPreferOverlapWithCompute if hints.overlap else 0
             self._attr = attr
         else:
             self._batch_ok = False
         self._direct: cudart_direct.Direct | None = None
         if self.mechanism in (CopyMechanism.AUTO, CopyMechanism.DIRECT):
-            self._direct = cudart_direct.checked(device)
+            self._direct = cudart_direct.checked(device, hints)
 
     def warm(self, direction: str, host_src: int | None = None, nbytes: int = 4 << 20) -> None:
         """One copy in ``direction`` on its stream, with the mechanism real copies use, on the

@@ -61,6 +61,12 @@ def test_g2_roundtrip_forced_mechanism(gpu_node, mechanism):
     roundtrip(node, "layers", "layers", Tier.HOST)
 
 
+@pytest.mark.parametrize("hints", [["--copy-src-order", "any"], ["--copy-overlap-hint", "off"]])
+def test_g2_roundtrip_with_the_batched_copies_attributes(gpu_node, hints):
+    node = gpu_node(*hints, DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS="64")
+    roundtrip(node, "cross", "cross", Tier.HOST)
+
+
 def test_disk_only_g1_g3_roundtrip(gpu_node):
     # 64 disk slots: bounce buffers of 32 + 32 rows, so 40 blocks take two pipelined chunks
     node = gpu_node(DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS="64")

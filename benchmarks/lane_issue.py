@@ -1,0 +1,129 @@
+"""Where a layer-grouped load's copy lane spends its time, read from the worker's debug log.
+
+    python3 benchmarks/lane_issue.py WORKER_LOG [WORKER_LOG ...] [--pages 36] [--piece-mb 256]
+        [--shape front] [--min-blocks 1] [--json out.json]
+
+Each ``job N load: ... pieces (issue began, issued, landed) ...`` line (``kvbm-worker`` at
+``DYN_LOG=debug``, a load the connector's ``layerwise`` mode ran in layer groups) gives, per
+piece, when the lane began and ended issuing it, when it landed by the GPU's clock, and the
+lane's CPU time issuing it (since 2026-11-28 also its kernel time, minor page faults and
+involuntary switches). The pieces' bytes are not in the line: they follow from the load's block
+count, the region's pages per block (``--pages``, 36 for Qwen3-4B) and the worker's cutting
+(``--piece-mb``, ``--shape``: :func:`kvbm_worker.grouping.group_pieces`, as the worker ran).
+
+Per load it reports:
+* ``issue_gbps``: each piece's bytes over the lane's CPU time issuing it (median over pieces).
+  A cost per copy gives a rate that grows with the copies' size; a rate near the DMA's own says
+  the issue costs per byte, or waits for the copy engine;
+* ``dma_idle_ms``: time the copy engine had nothing of this load to do after the lane began the
+  first piece: before piece k's issue ended, after piece k-1 landed (its first bytes cannot move
+  before the call that issues them returns: that is what 2026-11-27k's log showed);
+* ``issued_after_prev_landed_ms``: median of (piece k issued) - (piece k-1 landed, GPU clock);
+  near 0 when each issue ends as the previous piece lands;
+* the kernel's share of the issue CPU, minor faults per MiB issued, involuntary switches.
+
+Summary (per file): medians over the loads with at least ``--min-blocks`` blocks.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import re
+import statistics
+from pathlib import Path
+
+from provenance import provenance
+
+from kvbm_worker.grouping import PIECE_BYTES, GroupPacing, GroupShape, group_pieces
+
+JOB_LINE = re.compile(r"job (\d+) load: (\d+) blocks, (\d+) bytes in ([0-9.]+) ms; groups landed on the lane at "
+                      r"(\[[^]]*\]) ms, on the loop at (\[[^]]*\]) ms after the job started; pieces \(issue began, "
+                      r"issued, landed\) at (\[.*?\]) ms(?:; by the GPU's clock landed at (\[[^]]*\]) ms)?"
+                      r"(?:; the lane's CPU time issuing each piece (\[[^]]*\]) ms)?"
+                      r"(?:, ([0-9.]+) ms of it in the kernel; minor page faults per piece (\[[^]]*\]); "
+                      r"preempted (\d+) times)?")
+
+
+def med(values: list[float]) -> float | None:
+    return round(statistics.median(values), 2) if values else None
+
+
+def job_rows(text: str) -> list[dict]:
+    """Every layer-grouped load's debug line in ``text``, parsed (lists in ms, as logged)."""
+    rows = []
+    for line in text.splitlines():
+        m = JOB_LINE.search(line)
+        if not m:
+            continue
+        pieces = ast.literal_eval(m.group(7))
+        rows.append({"job": int(m.group(1)), "blocks": int(m.group(2)), "bytes": int(m.group(3)),
+                     "lane_ms": float(m.group(4)), "groups_lane": ast.literal_eval(m.group(5)), "pieces": pieces,
+                     "gpu_landed": ast.literal_eval(m.group(8)) if m.group(8) else [],
+                     "issue_ms": [round(p[1] - p[0], 2) for p in pieces],
+                     "issue_cpu_ms": ast.literal_eval(m.group(9)) if m.group(9) else [],
+                     "issue_sys_ms": float(m.group(10)) if m.group(10) else None,
+                     "faults": ast.literal_eval(m.group(11)) if m.group(11) else [],
+                     "preempted": int(m.group(12)) if m.group(12) else None,
+                     "first_issue_began": pieces[0][0] if pieces else None})
+    return rows
+
+
+def piece_bytes(row: dict, pages: int, pacing: GroupPacing) -> list[int] | None:
+    """Each piece's bytes as the worker cut the load (None where the cut does not match the line)."""
+    page = row["bytes"] // row["blocks"] // pages
+    cut = group_pieces(row["blocks"], pacing.bounds(pages, len(row["groups_lane"])), page, pacing.piece_bytes)
+    if len(cut) != len(row["pieces"]):
+        return None
+    return [(hi - lo) * (p1 - p0) * page for lo, hi, (p0, p1), _ in cut]
+
+
+def analyse(row: dict, pages: int, pacing: GroupPacing) -> dict:
+    """One load's figures (see the module docstring); None where the line lacks what they need."""
+    out: dict = {"job": row["job"], "blocks": row["blocks"], "lane_ms": row["lane_ms"], "pieces": len(row["pieces"])}
+    sizes = piece_bytes(row, pages, pacing)
+    cpu, gpu, pcs = row["issue_cpu_ms"], row["gpu_landed"], row["pieces"]
+    out["issue_cpu_ms"] = round(sum(cpu), 2) if cpu else None
+    out["issue_gbps"] = med([b / (c * 1e6) for b, c in zip(sizes, cpu) if c > 0]) if sizes and cpu else None
+    if gpu:
+        idle = max(0.0, pcs[0][1] - pcs[0][0])  # the first piece's issue: nothing of it moved yet
+        idle += sum(max(0.0, pcs[k][1] - gpu[k - 1]) for k in range(1, len(pcs)))
+        out["dma_idle_ms"] = round(idle, 2)
+        out["issued_after_prev_landed_ms"] = med([pcs[k][1] - gpu[k - 1] for k in range(1, len(pcs))])
+        out["dma_gbps"] = round(row["bytes"] / ((gpu[-1] - pcs[0][0] - idle) * 1e6), 1) if gpu[-1] > idle else None
+    if row["issue_sys_ms"] is not None and cpu:
+        out["issue_sys_share"] = round(row["issue_sys_ms"] / max(sum(cpu), 1e-9), 3)
+        out["faults_per_mib"] = round(sum(row["faults"]) / (row["bytes"] / (1 << 20)), 3)
+        out["preempted"] = row["preempted"]
+    return out
+
+
+def summarize(loads: list[dict]) -> dict:
+    keys = ("lane_ms", "issue_cpu_ms", "issue_gbps", "dma_idle_ms", "issued_after_prev_landed_ms", "dma_gbps",
+            "issue_sys_share", "faults_per_mib", "preempted")
+    return {"loads": len(loads), **{k: med([x[k] for x in loads if x.get(k) is not None]) for k in keys}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("logs", nargs="+", type=Path)
+    ap.add_argument("--pages", type=int, default=36, help="the region's pages per block [36]")
+    ap.add_argument("--piece-mb", type=float, default=PIECE_BYTES / (1 << 20), help="the worker's --load-piece-mb")
+    ap.add_argument("--shape", default=GroupShape.FRONT.value, choices=[s.value for s in GroupShape])
+    ap.add_argument("--min-blocks", type=int, default=1, help="only loads of at least this many blocks")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    pacing = GroupPacing(int(args.piece_mb * (1 << 20)), shape=GroupShape(args.shape))
+    report = {}
+    for path in args.logs:
+        loads = [analyse(r, args.pages, pacing) for r in job_rows(path.read_text(errors="replace"))
+                 if r["blocks"] >= args.min_blocks]
+        report[str(path)] = {"summary": summarize(loads), "loads": loads}
+        print(path, json.dumps(report[str(path)]["summary"]))
+    if args.json:
+        args.json.write_text(json.dumps({"provenance": provenance(), "args": {k: str(v) for k, v in vars(args).items()},
+                                         "files": report}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
