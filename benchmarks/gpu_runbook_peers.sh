@@ -120,6 +120,10 @@
 #             order: default, --copy-overlap-hint off, --copy-src-order any, --cuda-copy runs, default again;
 #             each run's worker log apart (worker_why_V.log) and lane_issue.py over all of them (why the
 #             lane's issue CPU beside vLLM grows with a piece's bytes; 2026-11-28 nineteenth session)
+#   pieces20  20K, eager, kvbm layerwise alone, one harness run per worker variant, twice in turn (A B C A B C):
+#             --load-piece-mb 256 (the default before the nineteenth session), 64, 32; worker logs apart
+#             (worker_pieces_V_P.log) and lane_issue.py over them (beside vLLM a piece's issue costs about
+#             as long as its DMA, so the doubling first pieces left the copy engine idle ~5 ms a load)
 #   alone20   daemon_layer_loads.py, 1258-block loads through the real daemons without an engine (24 GB
 #             G2), default and --copy-overlap-hint off, one pass: the same lane figures without vLLM
 # Earlier sessions' runs (other steps, other systems) are recorded in their result files' argv.
@@ -227,6 +231,15 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
            done
            python3 benchmarks/lane_issue.py "$R"/worker_why_*.log --min-blocks 1000 --json "$R/lane_issue_why20.json" \
              >>"$R/$s.log" 2>&1 ;;
+    pieces20) for p in 1 2; do for v in "mb256=--load-piece-mb 256" "mb64=--load-piece-mb 64" \
+                                      "mb32=--load-piece-mb 32"; do
+             n=${v%%=*}; f=${v#*=}; w=/tmp/kvbm-logs/worker.log; l=$(cat "$w" 2>/dev/null | wc -l)
+             KVBM_WORKER_ARGS="$f" KVBM_CONNECTOR_TRACE=$R/t20k_pieces_${n}_p$p.jsonl \
+               $T "$R/ttft20k_pieces_${n}_p$p.jsonl" ours_layerwise $A20 $H --timeout 300 >>"$R/$s.log" 2>&1
+             tail -n +$((l + 1)) "$w" >"$R/worker_pieces_${n}_p$p.log"; step "pieces20 $n p$p done"
+           done; done
+           for n in mb256 mb64 mb32; do python3 benchmarks/lane_issue.py "$R"/worker_pieces_${n}_p*.log \
+             --min-blocks 1000 --piece-mb ${n#mb} --json "$R/lane_issue_pieces20_$n.json" >>"$R/$s.log" 2>&1; done ;;
     alone20) python3 benchmarks/daemon_layer_loads.py --blocks 1258 --reps 10 --variant default= \
                --variant "hintoff=--copy-overlap-hint off" --passes 1 --g2-gb 24 --json "$R/alone20.json" \
                >"$R/alone20.log" 2>&1 ;;

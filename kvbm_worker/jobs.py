@@ -55,9 +55,10 @@ RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)  # (Lin
 
 @dataclass(frozen=True, slots=True)
 class ThreadUsage:
-    """What the calling thread has used (``getrusage(RUSAGE_THREAD)``): CPU seconds (user and
-    kernel), of them in the kernel (split by the scheduler's tick samples: per load, not per
-    piece), minor page faults, involuntary context switches. ``since`` gives a span's share."""
+    """What the calling thread has used: CPU seconds (``thread_time``, exact), of them in the
+    kernel (``getrusage(RUSAGE_THREAD)``: apportioned by the scheduler's tick samples, so only a
+    load's sum means anything, not a piece's), minor page faults and involuntary context switches
+    (counted exactly). ``since`` gives a span's share."""
 
     cpu: float
     sys: float
@@ -67,7 +68,7 @@ class ThreadUsage:
     @staticmethod
     def now() -> "ThreadUsage":
         r = resource.getrusage(RUSAGE_THREAD)
-        return ThreadUsage(r.ru_utime + r.ru_stime, r.ru_stime, r.ru_minflt, r.ru_nivcsw)
+        return ThreadUsage(time.thread_time(), r.ru_stime, r.ru_minflt, r.ru_nivcsw)
 
     def since(self, start: "ThreadUsage") -> "ThreadUsage":
         return ThreadUsage(self.cpu - start.cpu, self.sys - start.sys, self.faults - start.faults,
