@@ -124,6 +124,11 @@
 #             --load-piece-mb 256 (the default before the nineteenth session), 64, 32; worker logs apart
 #             (worker_pieces_V_P.log) and lane_issue.py over them (beside vLLM a piece's issue costs about
 #             as long as its DMA, so the doubling first pieces left the copy engine idle ~5 ms a load)
+#   streams20 20K, eager, kvbm layerwise alone, one harness run per worker variant: --load-streams 1 (the
+#             default) and 2, in the order A B (PASS=1, the default) or B A (PASS=2); worker logs apart
+#             (worker_streams_sN_pP.log), lane_issue.py over them
+#   gpuload   the GPU tests of the load streams and the copy attributes (signal words behind every load
+#             stream, layerwise loads in 1-3 streams, round trips with --copy-src-order any / hint off)
 #   alone20   daemon_layer_loads.py, 1258-block loads through the real daemons without an engine (24 GB
 #             G2), default and --copy-overlap-hint off, one pass: the same lane figures without vLLM
 # Earlier sessions' runs (other steps, other systems) are recorded in their result files' argv.
@@ -240,6 +245,17 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
            done; done
            for n in mb256 mb64 mb32; do python3 benchmarks/lane_issue.py "$R"/worker_pieces_${n}_p*.log \
              --min-blocks 1000 --piece-mb ${n#mb} --json "$R/lane_issue_pieces20_$n.json" >>"$R/$s.log" 2>&1; done ;;
+    streams20) P=${PASS:-1}; V="1 2"; [ "$P" = 2 ] && V="2 1"
+             for n in $V; do
+               w=/tmp/kvbm-logs/worker.log; l=$(cat "$w" 2>/dev/null | wc -l)
+               KVBM_WORKER_ARGS="--load-streams $n" KVBM_CONNECTOR_TRACE=$R/t20k_streams_s${n}_p$P.jsonl \
+                 $T "$R/ttft20k_streams_s${n}_p$P.jsonl" ours_layerwise $A20 $H --timeout 300 >>"$R/$s.log" 2>&1
+               tail -n +$((l + 1)) "$w" >"$R/worker_streams_s${n}_p$P.log"; step "streams20 s$n p$P done"
+             done
+             python3 benchmarks/lane_issue.py "$R"/worker_streams_s*_p$P.log --min-blocks 1000 \
+               --json "$R/lane_issue_streams20_p$P.json" >>"$R/$s.log" 2>&1 ;;
+    gpuload) python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_copier.py -k signal_word \
+               tests/gpu/test_daemon_gpu.py -k "layerwise_load_through_ipc or attributes" >"$R/gpuload.txt" 2>&1 ;;
     alone20) python3 benchmarks/daemon_layer_loads.py --blocks 1258 --reps 10 --variant default= \
                --variant "hintoff=--copy-overlap-hint off" --passes 1 --g2-gb 24 --json "$R/alone20.json" \
                >"$R/alone20.log" 2>&1 ;;

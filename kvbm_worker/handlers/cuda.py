@@ -83,7 +83,7 @@ class CudaMover(BlockMover):
 
     def __init__(self, host: HostPool | None, disk: DiskPool | None, disk_io: TimedDiskIO | None, *,
                  host_checksums: bool = False, pacing: GroupPacing = GroupPacing(), device: int,
-                 mechanism: CopyMechanism = CopyMechanism.AUTO, hints: CopyHints = CopyHints(),
+                 mechanism: CopyMechanism = CopyMechanism.AUTO, hints: CopyHints = CopyHints(), load_streams: int = 1,
                  progress: Callable[[float], None] | None = None, deadline: float | None = None) -> None:
         super().__init__(host, disk, disk_io, host_checksums=host_checksums, pacing=pacing)
         self.device = device
@@ -94,7 +94,7 @@ class CudaMover(BlockMover):
                 self.pinned.pin(host.address, host.buffer.nbytes, chunk, progress, deadline)
             for buf in self.bounce.values():
                 self.pinned.pin(buf.slots.ctypes.data, buf.slots.nbytes)
-            self.copier = CudaCopier(device, self.pinned, mechanism, hints=hints)
+            self.copier = CudaCopier(device, self.pinned, mechanism, hints=hints, load_streams=load_streams)
         except BaseException:
             self.pinned.close()
             super().close()

@@ -54,3 +54,11 @@ def test_the_batched_copies_attributes_come_from_the_arguments():
     for bad in (["--copy-src-order", "any"], ["--copy-overlap-hint", "off"]):
         with pytest.raises(KvbmConfigError, match="--gpu"):
             data_path(build_parser().parse_args(bad))
+
+
+def test_the_load_streams_come_from_the_arguments():
+    assert data_path(build_parser().parse_args(["--gpu", "0"])).load_streams == 1
+    assert data_path(build_parser().parse_args(["--gpu", "0", "--load-streams", "2"])).load_streams == 2
+    for bad in (["--gpu", "0", "--load-streams", "0"], ["--gpu", "0", "--load-streams", "9"], ["--load-streams", "2"]):
+        with pytest.raises(KvbmConfigError, match="--load-streams"):
+            data_path(build_parser().parse_args(bad))
