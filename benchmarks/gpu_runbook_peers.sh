@@ -254,8 +254,8 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
              done
              python3 benchmarks/lane_issue.py "$R"/worker_streams_s*_p$P.log --min-blocks 1000 \
                --json "$R/lane_issue_streams20_p$P.json" >>"$R/$s.log" 2>&1 ;;
-    gpuload) python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_copier.py -k signal_word \
-               tests/gpu/test_daemon_gpu.py -k "layerwise_load_through_ipc or attributes" >"$R/gpuload.txt" 2>&1 ;;
+    gpuload) python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_copier.py tests/gpu/test_daemon_gpu.py \
+               -k "signal_word or layerwise_load_through_ipc or attributes" >"$R/gpuload.txt" 2>&1 ;;
     alone20) python3 benchmarks/daemon_layer_loads.py --blocks 1258 --reps 10 --variant default= \
                --variant "hintoff=--copy-overlap-hint off" --passes 1 --g2-gb 24 --json "$R/alone20.json" \
                >"$R/alone20.log" 2>&1 ;;
