@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 from gpu_bench import Hogs
-from lane_issue import job_rows
+from lane_issue import analyse, job_rows, summarize
 from provenance import provenance
 
 from kvbm_client import KvbmClient
@@ -46,9 +46,12 @@ from kvbm_client.connectors.core.layerwise import LayerwiseCall
 from kvbm_client.contract import pb, rpc
 from kvbm_client.cuda_export import export_kv_cache
 from kvbm_client.local_node import LocalNode, isolated_env
+from kvbm_worker.grouping import GroupPacing
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS, TOKENS, HEADS, DIM = 36, 16, 8, 128
+
+
 def med(values: list[float]) -> float | None:
     return round(statistics.median(values), 2) if values else None
 
@@ -154,6 +157,9 @@ def one_variant(name: str, flags: list[str], kv, args: argparse.Namespace, busy:
         "issue_ms_median": med([v for j in jobs for v in j["issue_ms"]]),
         "issue_ms_max": max((v for j in jobs for v in j["issue_ms"]), default=None),
         "issue_cpu_ms_median": med([v for j in jobs for v in j["issue_cpu_ms"]]),
+        # per load: issue rate (bytes / lane CPU), idle copy engine, ... (lane_issue.py; the cut the
+        # worker's defaults make: None where a variant's flags cut the pieces otherwise)
+        "lane": summarize([analyse(j, LAYERS, GroupPacing()) for j in jobs]),
     }
 
 

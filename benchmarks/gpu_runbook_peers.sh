@@ -115,22 +115,19 @@
 #             it, alternating, 4 passes; rpc: rpc_floor.py, a lookup-sized round trip without kvbm (a raw
 #             unix socket, grpc sync, grpc.aio on uvloop), back to back and 90 ms apart
 #   lk20g     20K, CUDA graphs, 2 passes: LMCache with its hooks timed, kvbm layerwise; then the
-#             breakdown of both (2026-11-28 eighteenth session: the leader's batched pins)
+#             breakdown of both (2026-11-27 eighteenth session: the leader's batched pins)
 #   why20     20K, eager, kvbm layerwise alone, one harness run (its own service) per worker variant, in
-#             order: default, --copy-overlap-hint off, --copy-src-order any, --cuda-copy runs, default again;
-#             each run's worker log apart (worker_why_V.log) and lane_issue.py over all of them (why the
-#             lane's issue CPU beside vLLM grows with a piece's bytes; 2026-11-28 nineteenth session)
-#   pieces20  20K, eager, kvbm layerwise alone, one harness run per worker variant, twice in turn (A B C A B C):
-#             --load-piece-mb 256 (the default before the nineteenth session), 64, 32; worker logs apart
-#             (worker_pieces_V_P.log) and lane_issue.py over them (beside vLLM a piece's issue costs about
-#             as long as its DMA, so the doubling first pieces left the copy engine idle ~5 ms a load)
-#   streams20 20K, eager, kvbm layerwise alone, one harness run per worker variant: --load-streams 1 (the
-#             default) and 2, in the order A B (PASS=1, the default) or B A (PASS=2); worker logs apart
-#             (worker_streams_sN_pP.log), lane_issue.py over them
-#   gpuload   the GPU tests of the load streams and the copy attributes (signal words behind every load
-#             stream, layerwise loads in 1-3 streams, round trips with --copy-src-order any / hint off)
+#             order: default, --cuda-copy runs, default again; each run's worker log apart (worker_why_V.log)
+#             and lane_issue.py over them (why the lane's issue CPU beside vLLM grows with a piece's bytes;
+#             2026-11-27 nineteenth session, whose run at 9a3ddff also tried two flags since removed:
+#             --copy-overlap-hint off and --copy-src-order any)
+#   pieces20  the same with --load-piece-mb 256 (the default), 64 and 32, twice in turn (A B C A B C)
 #   alone20   daemon_layer_loads.py, 1258-block loads through the real daemons without an engine (24 GB
-#             G2), default and --copy-overlap-hint off, one pass: the same lane figures without vLLM
+#             G2), one pass: the same lane figures without vLLM
+#   beside20  alone20 (8 loads, one pass) with nothing else on the GPU, beside an idle vLLM engine, beside a
+#             busy one (cold 20K prefills back to back), then alone again (engine_beside.py: is it vLLM's
+#             presence or its work that makes the lane's issue cost grow with a piece's bytes?)
+# (The nineteenth session's streams20 / gpuload steps, at 825e0ce, tried --load-streams, since removed.)
 # Earlier sessions' runs (other steps, other systems) are recorded in their result files' argv.
 . benchmarks/gpu_runbook_env.sh  # set -u, $R, step, A20, G8
 T=benchmarks/vllm_gpu_ttft.sh
@@ -146,6 +143,21 @@ peers() {
   [ "${s%g}" != "$s" ] && O="--timeout 600 --cuda-graphs"
   KVBM_CONNECTOR_TRACE=$R/t${W}k_$s.jsonl $T "$R/ttft${W}k_$s.jsonl" $Y $X $H $O "$@" >"$R/$s.log" 2>&1
   python3 benchmarks/ttft_breakdown.py "$R/ttft${W}k_$s.jsonl" "$R/t${W}k_$s.jsonl" >>"$R/$s.log" 2>&1
+}
+# 20K, eager, kvbm layerwise alone, one harness run (its own service) per worker variant NAME=FLAGS, in
+# order; each run's worker log apart ($R/worker_TAG_NAME.log), then lane_issue.py over them.
+#   variants TAG NAME=FLAGS...
+variants() {
+  local tag=$1 v n w=/tmp/kvbm-logs/worker.log l; shift
+  for v in "$@"; do
+    n=${v%%=*}; l=$(cat "$w" 2>/dev/null | wc -l)
+    KVBM_WORKER_ARGS="${v#*=}" KVBM_CONNECTOR_TRACE=$R/t20k_${tag}_$n.jsonl $T "$R/ttft20k_${tag}_$n.jsonl" \
+      ours_layerwise $A20 $H --timeout 300 >>"$R/$s.log" 2>&1
+    tail -n +$((l + 1)) "$w" >"$R/worker_${tag}_$n.log"; step "$s $n done"
+  done
+  for v in "$@"; do n=${v%%=*}; P=$(echo "${v#*=}" | sed -n 's/.*--load-piece-mb \([0-9.]*\).*/--piece-mb \1/p')
+    python3 benchmarks/lane_issue.py "$R/worker_${tag}_$n.log" --min-blocks 1000 $P >>"$R/$s.log" 2>&1
+  done
 }
 for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
   step "start $s"
@@ -227,38 +239,25 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
               ${KVBM_LOOKUP_BASE:+--src "$KVBM_LOOKUP_BASE"} --src . --json "$R/lookup_latency.json" >"$R/lookup.log" 2>&1 ;;
     rpc) timeout 300 python3 benchmarks/rpc_floor.py --json "$R/rpc_floor.json" >"$R/rpc.log" 2>&1 ;;
     lk20g) peers lmcache_timed,ours_layerwise --passes 2 ;;
-    why20) for v in "default=" "hintoff=--copy-overlap-hint off" "srcany=--copy-src-order any" \
-                   "runs=--cuda-copy runs" "default2="; do
-             n=${v%%=*}; f=${v#*=}; w=/tmp/kvbm-logs/worker.log; l=$(cat "$w" 2>/dev/null | wc -l)
-             KVBM_WORKER_ARGS="$f" KVBM_CONNECTOR_TRACE=$R/t20k_why_$n.jsonl $T "$R/ttft20k_why_$n.jsonl" \
-               ours_layerwise $A20 $H --timeout 300 >>"$R/$s.log" 2>&1
-             tail -n +$((l + 1)) "$w" >"$R/worker_why_$n.log"; step "why20 $n done"
-           done
-           python3 benchmarks/lane_issue.py "$R"/worker_why_*.log --min-blocks 1000 --json "$R/lane_issue_why20.json" \
-             >>"$R/$s.log" 2>&1 ;;
-    pieces20) for p in 1 2; do for v in "mb256=--load-piece-mb 256" "mb64=--load-piece-mb 64" \
-                                      "mb32=--load-piece-mb 32"; do
-             n=${v%%=*}; f=${v#*=}; w=/tmp/kvbm-logs/worker.log; l=$(cat "$w" 2>/dev/null | wc -l)
-             KVBM_WORKER_ARGS="$f" KVBM_CONNECTOR_TRACE=$R/t20k_pieces_${n}_p$p.jsonl \
-               $T "$R/ttft20k_pieces_${n}_p$p.jsonl" ours_layerwise $A20 $H --timeout 300 >>"$R/$s.log" 2>&1
-             tail -n +$((l + 1)) "$w" >"$R/worker_pieces_${n}_p$p.log"; step "pieces20 $n p$p done"
-           done; done
-           for n in mb256 mb64 mb32; do python3 benchmarks/lane_issue.py "$R"/worker_pieces_${n}_p*.log \
-             --min-blocks 1000 --piece-mb ${n#mb} --json "$R/lane_issue_pieces20_$n.json" >>"$R/$s.log" 2>&1; done ;;
-    streams20) P=${PASS:-1}; V="1 2"; [ "$P" = 2 ] && V="2 1"
-             for n in $V; do
-               w=/tmp/kvbm-logs/worker.log; l=$(cat "$w" 2>/dev/null | wc -l)
-               KVBM_WORKER_ARGS="--load-streams $n" KVBM_CONNECTOR_TRACE=$R/t20k_streams_s${n}_p$P.jsonl \
-                 $T "$R/ttft20k_streams_s${n}_p$P.jsonl" ours_layerwise $A20 $H --timeout 300 >>"$R/$s.log" 2>&1
-               tail -n +$((l + 1)) "$w" >"$R/worker_streams_s${n}_p$P.log"; step "streams20 s$n p$P done"
-             done
-             python3 benchmarks/lane_issue.py "$R"/worker_streams_s*_p$P.log --min-blocks 1000 \
-               --json "$R/lane_issue_streams20_p$P.json" >>"$R/$s.log" 2>&1 ;;
-    gpuload) python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_copier.py tests/gpu/test_daemon_gpu.py \
-               -k "signal_word or layerwise_load_through_ipc or attributes" >"$R/gpuload.txt" 2>&1 ;;
-    alone20) python3 benchmarks/daemon_layer_loads.py --blocks 1258 --reps 10 --variant default= \
-               --variant "hintoff=--copy-overlap-hint off" --passes 1 --g2-gb 24 --json "$R/alone20.json" \
-               >"$R/alone20.log" 2>&1 ;;
+    why20) variants why "default=" "runs=--cuda-copy runs" "default2=" ;;
+    pieces20) for p in 1 2; do
+                variants pieces_p$p "mb256=--load-piece-mb 256" "mb64=--load-piece-mb 64" "mb32=--load-piece-mb 32"
+              done ;;
+    beside20) for m in none idle busy none2; do
+                e=""; rm -f "$R/beside.ready" "$R/beside.stop"
+                if [ "${m%2}" != none ]; then
+                  PYTHONPATH=/tmp/site:$PWD/.site:$PWD HF_HUB_OFFLINE=1 VLLM_CACHE_ROOT=/tmp/vc \
+                    VLLM_USE_FLASHINFER_SAMPLER=0 python3 benchmarks/engine_beside.py --ready "$R/beside.ready" \
+                    --stop "$R/beside.stop" $([ $m = busy ] && echo --busy) >>"$R/beside20_engine.log" 2>&1 & e=$!
+                  for i in $(seq 1 150); do [ -e "$R/beside.ready" ] && break; sleep 2; done
+                fi
+                python3 benchmarks/daemon_layer_loads.py --blocks 1258 --reps 8 --passes 1 --g2-gb 24 \
+                  --json "$R/beside20_$m.json" >>"$R/beside20.log" 2>&1
+                [ -n "$e" ] && { touch "$R/beside.stop"; wait $e; }
+                step "beside20 $m done"
+              done ;;
+    alone20) python3 benchmarks/daemon_layer_loads.py --blocks 1258 --reps 10 --passes 1 --g2-gb 24 \
+               --json "$R/alone20.json" >"$R/alone20.log" 2>&1 ;;
     h2dspread) python3 benchmarks/h2d_ceiling.py --spread 40 --json "$R/h2d_ceiling.json" >"$R/h2d.log" 2>&1 ;;
     sync8g) KVBM_CONNECTOR_TRACE=$R/t8k_$s.jsonl $T "$R/ttft8k_$s.jsonl" \
                 lmcache,ours_layerwise,ours_sync $H --timeout 600 --cuda-graphs --passes 2 >"$R/$s.log" 2>&1 ;;

@@ -6,7 +6,7 @@
 Each ``job N load: ... pieces (issue began, issued, landed) ...`` line (``kvbm-worker`` at
 ``DYN_LOG=debug``, a load the connector's ``layerwise`` mode ran in layer groups) gives, per
 piece, when the lane began and ended issuing it, when it landed by the GPU's clock, and the
-lane's CPU time issuing it (since 2026-11-28 also its kernel time, minor page faults and
+lane's CPU time issuing it (since 2026-11-27, nineteenth session, also its kernel time, minor page faults and
 involuntary switches). The pieces' bytes are not in the line: they follow from the load's block
 count, the region's pages per block (``--pages``, 36 for Qwen3-4B) and the worker's cutting
 (``--piece-mb``, ``--shape``: :func:`kvbm_worker.grouping.group_pieces`, as the worker ran).
@@ -16,8 +16,11 @@ Per load it reports:
   A cost per copy gives a rate that grows with the copies' size; a rate near the DMA's own says
   the issue costs per byte, or waits for the copy engine;
 * ``dma_idle_ms``: time the copy engine had nothing of this load to do after the lane began the
-  first piece: before piece k's issue ended, after piece k-1 landed (its first bytes cannot move
-  before the call that issues them returns: that is what 2026-11-27k's log showed);
+  first piece: before piece k's issue ended, after piece k-1 landed. This assumes a piece's bytes
+  start to move only when the call that issues them returns, as the batched calls' did (a 256 MiB
+  piece landed a full DMA time after its call returned, 2026-11-27k). With ``--cuda-copy runs``
+  (a call per copy) copies move during the piece's issue: there it overstates the idle time, and
+  ``dma_gbps`` means nothing;
 * ``issued_after_prev_landed_ms``: median of (piece k issued) - (piece k-1 landed, GPU clock);
   near 0 when each issue ends as the previous piece lands;
 * the kernel's share of the issue CPU, minor faults per MiB issued, involuntary switches.

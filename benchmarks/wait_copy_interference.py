@@ -143,7 +143,7 @@ def main() -> None:
                     if words == "stream":
                         on_stream()
                     else:
-                        beside.write([stream], page_ptr, i)
+                        beside.write(stream, page_ptr, i)
             end.record(stream)
         end.synchronize()
         beside.synchronize()

@@ -29,7 +29,6 @@ from kvbm_client.ids import Tier
 
 from .grouping import GroupPacing
 from .handlers.cuda_copier import CopyMechanism
-from .handlers.cudart_direct import CopyHints
 from .handlers.disk import open_disk_io
 from .handlers.disk_guard import TimedDiskIO
 from .lanes import Lanes
@@ -45,8 +44,6 @@ class DataPath:
 
     gpu: int | None = None  # CUDA device: CUDA IPC regions, pinned G2, CUDA streams
     cuda_copy: CopyMechanism = CopyMechanism.AUTO
-    copy_hints: CopyHints = CopyHints()  # the batched copies' attributes
-    load_streams: int = 1  # H2D streams a load's pieces take in turn
     prefer_nixl: bool = True  # G3 through NIXL's POSIX backend when it loads
     pacing: GroupPacing = GroupPacing()  # how layer-grouped loads are cut and queued
 
@@ -206,8 +203,7 @@ class PoolAllocator:
         from .handlers.cuda import CudaMover  # lazy: CUDA only on a GPU worker
         return CudaMover(host, disk, disk_io, host_checksums=checksums, pacing=self.path.pacing,
                          device=self.path.gpu,
-                         mechanism=self.path.cuda_copy, hints=self.path.copy_hints,
-                         load_streams=self.path.load_streams, progress=progress.second_half, deadline=progress.deadline)
+                         mechanism=self.path.cuda_copy, progress=progress.second_half, deadline=progress.deadline)
 
     @property
     def disk_index(self) -> str:

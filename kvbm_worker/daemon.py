@@ -37,7 +37,6 @@ from .allocation import DataPath
 from .cluster import WorkerCluster
 from .grouping import GROUP_DEPTH, PIECE_BYTES, GroupPacing, GroupShape
 from .handlers.cuda_copier import CopyMechanism
-from .handlers.cudart_direct import CopyHints
 from .leader_link import LeaderLink
 from .service import WorkerService
 
@@ -73,10 +72,8 @@ class WorkerDaemon:
         if self.path.gpu is not None:  # CUDA context before serving, off the loop; lazy import (CPU CI)
             from .handlers.cuda import init_device
             name = await asyncio.get_running_loop().run_in_executor(None, init_device, self.path.gpu)
-            hints = self.path.copy_hints
-            log.info("GPU data path on cuda:%d (%s), copy mechanism %s (source order %s, overlap hint %s)",
-                     self.path.gpu, name, self.path.cuda_copy.value, "any" if hints.src_any else "stream",
-                     "on" if hints.overlap else "off")
+            log.info("GPU data path on cuda:%d (%s), copy mechanism %s", self.path.gpu, name,
+                     self.path.cuda_copy.value)
         self.link = link = LeaderLink(cfg, self.worker_id, self.rank, self.address, node_key, self.leader_address,
                                       cuda=self.path.gpu is not None, find_leader=self._find_leader)
         self.service = service = WorkerService(cfg, self.worker_id, self.rank, link, node_key, self.path)
@@ -185,17 +182,6 @@ def build_parser() -> argparse.ArgumentParser:
                              "check copy at start moved the right bytes; else batch (the same API through "
                              "cuda-python) where the CUDA runtime has it (>= 12.8); else one DMA per contiguous run "
                              "when runs average >= 256 KiB, else a GPU gather into staging + DMA]")
-    parser.add_argument("--copy-src-order", default="stream", choices=["stream", "any"],
-                        help="the batched copies' source access order (cudaMemcpyBatchAsync's srcAccessOrder): "
-                             "stream, or any (the driver may read a source out of stream order; sound for kvbm's "
-                             "copies, whose sources no earlier copy on their stream writes) [default stream]")
-    parser.add_argument("--copy-overlap-hint", default="on", choices=["on", "off"],
-                        help="mark the batched copies cudaMemcpyFlagPreferOverlapWithCompute (a hint to the driver "
-                             "to keep them off the GPU's SMs) [default on]")
-    parser.add_argument("--load-streams", type=int, default=1, metavar="N",
-                        help="CUDA streams a load's copies take in turn (1-8). Beside vLLM a batch of copies is "
-                             "issued only once the copies before it on its stream landed, so with one stream the "
-                             "copy engine idles while each piece is issued [default 1]")
     parser.add_argument("--no-nixl", action="store_true", help="use preadv/pwritev for disk I/O instead of NIXL")
     parser.add_argument("--load-group-shape", default=GroupShape.FRONT.value, choices=[s.value for s in GroupShape],
                         help="how a layer-grouped load's pages are split into the groups the engine asks for: front "
@@ -221,19 +207,14 @@ def build_parser() -> argparse.ArgumentParser:
 def data_path(args: argparse.Namespace) -> DataPath:
     """The data path the arguments select (``--cuda-copy`` needs ``--gpu``)."""
     mechanism = CopyMechanism(args.cuda_copy)
-    hints = CopyHints(src_any=args.copy_src_order == "any", overlap=args.copy_overlap_hint == "on")
-    if args.gpu is None and (mechanism is not CopyMechanism.AUTO or hints != CopyHints() or args.load_streams != 1):
-        raise KvbmConfigError("--cuda-copy, --copy-src-order, --copy-overlap-hint and --load-streams apply to the GPU "
-                              "data path: give --gpu DEVICE")
+    if args.gpu is None and mechanism is not CopyMechanism.AUTO:
+        raise KvbmConfigError("--cuda-copy applies to the GPU data path: give --gpu DEVICE")
     if not 0 < args.load_piece_mb <= 1 << 20 or args.load_ahead < 0:
         raise KvbmConfigError(f"--load-piece-mb must be in (0, {1 << 20}] and --load-ahead >= 0")
-    if not 1 <= args.load_streams <= 8:
-        raise KvbmConfigError("--load-streams must be in [1, 8]")
     if not 0 < args.switch_interval_ms <= 1000:
         raise KvbmConfigError("--switch-interval-ms must be in (0, 1000]")
     pacing = GroupPacing(int(args.load_piece_mb * (1 << 20)), args.load_ahead, GroupShape(args.load_group_shape))
-    return DataPath(gpu=args.gpu, cuda_copy=mechanism, copy_hints=hints, load_streams=args.load_streams,
-                    prefer_nixl=not args.no_nixl, pacing=pacing)
+    return DataPath(gpu=args.gpu, cuda_copy=mechanism, prefer_nixl=not args.no_nixl, pacing=pacing)
 
 
 def main(argv: list[str] | None = None) -> int:

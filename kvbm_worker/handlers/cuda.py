@@ -31,7 +31,6 @@ from ..pools import DiskPool, HostPool
 from ..regions import EngineRegion, Peer, RegionError
 from .cuda_copier import MECHANISMS as MECHANISMS
 from .cuda_copier import CopyMechanism, CudaCopier as CudaCopier, Direction
-from .cudart_direct import CopyHints
 from .pinned import PIN_CHUNK, PinnedHost
 
 log = logging.getLogger("kvbm.worker")
@@ -83,8 +82,8 @@ class CudaMover(BlockMover):
 
     def __init__(self, host: HostPool | None, disk: DiskPool | None, disk_io: TimedDiskIO | None, *,
                  host_checksums: bool = False, pacing: GroupPacing = GroupPacing(), device: int,
-                 mechanism: CopyMechanism = CopyMechanism.AUTO, hints: CopyHints = CopyHints(), load_streams: int = 1,
-                 progress: Callable[[float], None] | None = None, deadline: float | None = None) -> None:
+                 mechanism: CopyMechanism = CopyMechanism.AUTO, progress: Callable[[float], None] | None = None,
+                 deadline: float | None = None) -> None:
         super().__init__(host, disk, disk_io, host_checksums=host_checksums, pacing=pacing)
         self.device = device
         self.pinned = PinnedHost(device)
@@ -94,7 +93,7 @@ class CudaMover(BlockMover):
                 self.pinned.pin(host.address, host.buffer.nbytes, chunk, progress, deadline)
             for buf in self.bounce.values():
                 self.pinned.pin(buf.slots.ctypes.data, buf.slots.nbytes)
-            self.copier = CudaCopier(device, self.pinned, mechanism, hints=hints, load_streams=load_streams)
+            self.copier = CudaCopier(device, self.pinned, mechanism)
         except BaseException:
             self.pinned.close()
             super().close()

@@ -38,7 +38,6 @@ from ..cuda_region import CudaEngineRegion, CudaError, check, cudart
 from ..id_arrays import EngineBlocks
 from ..runs import page_range, segments
 from . import cudart_direct
-from .cudart_direct import CopyHints
 from .pinned import PinnedHost
 from .signal_words import SignalWords
 
@@ -109,7 +108,7 @@ class CudaCopier:
     """
 
     def __init__(self, device: int, pinned: PinnedHost, mechanism: str = CopyMechanism.AUTO,
-                 staging_bytes: int = STAGING_BYTES, hints: CopyHints = CopyHints(), load_streams: int = 1) -> None:
+                 staging_bytes: int = STAGING_BYTES) -> None:
         import torch
         if mechanism not in MECHANISMS:
             raise ValueError(f"unknown copy mechanism {mechanism!r}; one of {', '.join(MECHANISMS)}")
@@ -117,9 +116,6 @@ class CudaCopier:
         self.staging_bytes = staging_bytes
         stream: Any = torch.cuda.Stream  # (untyped constructor)
         self.streams = {d: stream(device=device) for d in Direction}
-        #: the H2D streams a load's DMA pieces take in turn (the first is ``streams[H2D]``)
-        self.load_streams = [self.streams[Direction.H2D]] + [stream(device=device) for _ in range(load_streams - 1)]
-        self._turn = 0
         self._staging: dict[Direction, Any] = {}
         self._views: dict[str, GatherViews] = {}
         self._batch_ok: bool | None = None
@@ -129,16 +125,14 @@ class CudaCopier:
         self._attr = None
         if hasattr(rt, "cudaMemcpyBatchAsync"):
             attr = rt.cudaMemcpyAttributes()
-            order = rt.cudaMemcpySrcAccessOrder
-            attr.srcAccessOrder = order.cudaMemcpySrcAccessOrderAny if hints.src_any else \
-                order.cudaMemcpySrcAccessOrderStream
-            attr.flags = rt.cudaMemcpyFlags.cudaMemcpyFlagPreferOverlapWithCompute if hints.overlap else 0
+            attr.srcAccessOrder = rt.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
+            attr.flags = rt.cudaMemcpyFlags.cudaMemcpyFlagPreferOverlapWithCompute
             self._attr = attr
         else:
             self._batch_ok = False
         self._direct: cudart_direct.Direct | None = None
         if self.mechanism in (CopyMechanism.AUTO, CopyMechanism.DIRECT):
-            self._direct = cudart_direct.checked(device, hints)
+            self._direct = cudart_direct.checked(device)
 
     def warm(self, direction: str, host_src: int | None = None, nbytes: int = 4 << 20) -> None:
         """One copy in ``direction`` on its stream, with the mechanism real copies use, on the
@@ -150,11 +144,7 @@ class CudaCopier:
         direction = Direction(direction)
         torch.cuda.set_device(self.device)
         check(cudart().cudaSetDevice(self.device), "cudaSetDevice")
-        for stream in self.load_streams if direction is Direction.H2D else [self.streams[direction]]:
-            self._warm_on(stream, direction, host_src, nbytes)
-
-    def _warm_on(self, stream: Any, direction: Direction, host_src: int | None, nbytes: int) -> None:
-        import torch
+        stream = self.streams[direction]
         with self._torch_on(stream):
             dev = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{self.device}")
             host = None
@@ -194,9 +184,7 @@ class CudaCopier:
         the caller (:class:`~.signal_words.SignalWords`). Returns the CUDA event of the write."""
         if self._words is None:
             self._words = SignalWords(self.device, self._record, self._wait)
-        direction = Direction(direction)
-        return self._words.write(self.load_streams if direction is Direction.H2D else [self.streams[direction]],
-                                 address, value)
+        return self._words.write(self.streams[Direction(direction)], address, value)
 
     def _wait(self, stream: Any, event: Any) -> None:
         """``stream`` runs nothing enqueued after this before ``event`` (of :meth:`_record`) fired."""
@@ -215,12 +203,10 @@ class CudaCopier:
         direction = Direction(direction)
         ids = EngineBlocks(np.asarray(blocks, dtype=np.int64))
         host_addrs = np.asarray(host_addrs, dtype=np.int64)
+        stream = self.streams[direction]
         mech = self._choose(region, ids, host_addrs, CopyMechanism(mechanism or self.mechanism))
         if pages is not None and mech is CopyMechanism.GATHER:
             mech = CopyMechanism.BATCH if self._batch_ok is not False else CopyMechanism.RUNS
-        stream = self.streams[direction]
-        if direction is Direction.H2D and mech is not CopyMechanism.GATHER:  # (gather: one staging buffer)
-            stream, self._turn = self.load_streams[self._turn], (self._turn + 1) % len(self.load_streams)
         self.last_mechanism = mech.value
         # the direct calls name their stream: no torch device or stream context to enter per piece
         with contextlib.nullcontext() if mech is CopyMechanism.DIRECT else self._torch_on(stream):
@@ -358,7 +344,7 @@ class CudaCopier:
                 self._dma(stage_addrs, hosts, block_bytes, False, CopyMechanism.BATCH, stream)
 
     def close(self) -> None:
-        for stream in [*self.streams.values(), *self.load_streams[1:]]:
+        for stream in self.streams.values():
             stream.synchronize()
         if self._words is not None:
             self._words.synchronize()

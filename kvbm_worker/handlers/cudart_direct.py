@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,32 +34,10 @@ log = logging.getLogger("kvbm.worker")
 NOT_READY = 600  # cudaErrorNotReady
 DISABLE_TIMING = 0x2  # cudaEventDisableTiming
 SRC_ACCESS_ORDER_STREAM = 0x1  # cudaMemcpySrcAccessOrderStream
-SRC_ACCESS_ORDER_ANY = 0x3  # cudaMemcpySrcAccessOrderAny
 PREFER_OVERLAP_WITH_COMPUTE = 0x1  # cudaMemcpyFlagPreferOverlapWithCompute
 _VOID_PP = ctypes.POINTER(ctypes.c_void_p)
 _SIZE_P = ctypes.POINTER(ctypes.c_size_t)
 MAPS = Path("/proc/self/maps")
-
-
-@dataclass(frozen=True, slots=True)
-class CopyHints:
-    """The attributes of every batched copy (``kvbm-worker --copy-src-order / --copy-overlap-hint``).
-
-    ``src_any``: ``srcAccessOrder`` ANY instead of STREAM. Sound for kvbm's copies: no earlier work
-    on a copy stream writes a later copy's source (G2 slots, bounce halves and the engine's pages
-    are written by the CPU or by other streams, and reused only after the copy's event fired).
-    ``overlap``: ``cudaMemcpyFlagPreferOverlapWithCompute``."""
-
-    src_any: bool = False
-    overlap: bool = True
-
-    @property
-    def order(self) -> int:
-        return SRC_ACCESS_ORDER_ANY if self.src_any else SRC_ACCESS_ORDER_STREAM
-
-    @property
-    def flags(self) -> int:
-        return PREFER_OVERLAP_WITH_COMPUTE if self.overlap else 0
 
 
 class MemLocation(ctypes.Structure):
@@ -95,7 +72,7 @@ def _mapped_cudart() -> str | None:
 class Direct:
     """The calls, bound to one loaded runtime (see the module docstring)."""
 
-    def __init__(self, path: str, hints: CopyHints = CopyHints()) -> None:
+    def __init__(self, path: str) -> None:
         held = ctypes.PyDLL(path)  # calls keep the interpreter lock
         free = ctypes.CDLL(path)  # calls release it (the blocking ones)
         version = ctypes.c_int(0)
@@ -128,7 +105,8 @@ class Direct:
         self._elapsed.restype = ctypes.c_int
         self._name = held.cudaGetErrorName
         self._name.argtypes, self._name.restype = [ctypes.c_int], ctypes.c_char_p
-        self._attr = MemcpyAttributes(hints.order, MemLocation(0, 0), MemLocation(0, 0), hints.flags)
+        self._attr = MemcpyAttributes(SRC_ACCESS_ORDER_STREAM, MemLocation(0, 0), MemLocation(0, 0),
+                                      PREFER_OVERLAP_WITH_COMPUTE)
         self._attr_idx = (ctypes.c_size_t * 1)(0)
         self._fail = ctypes.c_size_t(0)
 
@@ -190,24 +168,24 @@ class RawEvent:
             self.handle = None
 
 
-def load(hints: CopyHints = CopyHints()) -> Direct | None:
+def load() -> Direct | None:
     """The direct calls on the runtime mapped in this process, or None (logged) where unusable."""
     path = _mapped_cudart()
     if path is None:
         log.info("no libcudart mapped in the daemon: copies are issued through cuda-python")
         return None
     try:
-        return Direct(path, hints)
+        return Direct(path)
     except (OSError, AttributeError, DirectError) as exc:
         log.info("direct CUDA calls unusable (%s: %s): copies are issued through cuda-python", path, exc)
         return None
 
 
-def checked(device: int, hints: CopyHints = CopyHints()) -> Direct | None:
+def checked(device: int) -> Direct | None:
     """The direct calls (:func:`load`) if a copy through them, host -> GPU -> host in
     scattered pieces on ``device``, moves exactly the bytes it names (else None, logged)."""
     import torch
-    direct = load(hints)
+    direct = load()
     if direct is None:
         return None
     try:
@@ -222,9 +200,6 @@ def checked(device: int, hints: CopyHints = CopyHints()) -> Direct | None:
             lengths = np.full(n, unit, np.int64)
             dev_at = dev.data_ptr() + order * unit
             direct.batch(dev_at, src.data_ptr() + np.arange(n, dtype=np.int64) * unit, lengths, stream.cuda_stream)
-            first = direct.event()  # (the read-back's source is the first batch's output: out of stream
-            first.record(stream.cuda_stream)  # order under ``src_any``, so wait for it here)
-            first.synchronize()
             direct.batch(back.data_ptr() + np.arange(n, dtype=np.int64) * unit, dev_at, lengths, stream.cuda_stream)
             done = direct.event()
             done.record(stream.cuda_stream)

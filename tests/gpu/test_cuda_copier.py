@@ -105,21 +105,18 @@ def test_onboard_in_page_groups_lands_only_those_pages(pool, layout, mechanism):
     copier.close()
 
 
-@pytest.mark.parametrize("streams,busy", [(1, 0), (2, 1), (3, 2)])
-def test_a_signal_word_is_written_after_the_copies_before_it_without_waiting_for_them(pool, streams, busy):
+def test_a_signal_word_is_written_after_the_copies_before_it_without_waiting_for_them(pool):
     """``write_word`` into CUDA-registered host memory (the engine's signal page, here a page of
-    this process) queues behind the load streams' copies and returns at once: the call does not
-    wait for a 1 GiB copy queued before it on any of them (here load stream ``busy``; a host ->
-    host copy would: CUDA runs those synchronously), the word is not written before that copy
-    ends, and it holds the value once its event fired."""
+    this process) queues behind the stream's copies and returns at once: the call does not wait
+    for a 1 GiB copy queued before it (a host -> host copy would: CUDA runs those synchronously),
+    the word is not written before that copy ends, and it holds the value once its event fired."""
     import mmap
     import time
 
     from kvbm_worker.cuda_region import check, cudart
     from kvbm_worker.handlers.cuda_copier import Direction
     host, pinned = pool
-    copier = CudaCopier(0, pinned, load_streams=streams)
-    assert len(copier.load_streams) == streams and copier.load_streams[0] is copier.streams[Direction.H2D]
+    copier = CudaCopier(0, pinned)
     rt = cudart()
     page = mmap.mmap(-1, 4096)
     words = np.frombuffer(page, dtype="<u4")
@@ -131,7 +128,7 @@ def test_a_signal_word_is_written_after_the_copies_before_it_without_waiting_for
         ptr = int(check(rt.cudaHostGetDevicePointer(addr, 0), "device pointer"))
         copier.write_word(Direction.H2D, ptr + 8, 1).synchronize()  # (warm: the word buffers exist)
         assert int(words[2]) == 1
-        stream = copier.load_streams[busy]
+        stream = copier.streams[Direction.H2D]
         with torch.cuda.stream(stream):
             big_dst.copy_(big_src, non_blocking=True)  # ~20 ms at the DMA's pace
         t0 = time.perf_counter()

@@ -61,27 +61,19 @@ def test_g2_roundtrip_forced_mechanism(gpu_node, mechanism):
     roundtrip(node, "layers", "layers", Tier.HOST)
 
 
-@pytest.mark.parametrize("hints", [["--copy-src-order", "any"], ["--copy-overlap-hint", "off"]])
-def test_g2_roundtrip_with_the_batched_copies_attributes(gpu_node, hints):
-    node = gpu_node(*hints, DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS="64")
-    roundtrip(node, "cross", "cross", Tier.HOST)
-
-
 def test_disk_only_g1_g3_roundtrip(gpu_node):
     # 64 disk slots: bounce buffers of 32 + 32 rows, so 40 blocks take two pipelined chunks
     node = gpu_node(DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS="64")
     roundtrip(node, "layers", "layers", Tier.DISK)
 
 
-@pytest.mark.parametrize("streams", ["1", "2", "3"])
-def test_layerwise_load_through_ipc(gpu_node, streams):
-    """TransferLayers on a CUDA region: the daemon copies a G2 load in 3 page groups (its pieces
-    taking ``--load-streams`` streams in turn), streams each group's end, and every block's bytes
-    are equal at the end."""
+def test_layerwise_load_through_ipc(gpu_node):
+    """TransferLayers on a CUDA region: the daemon copies a G2 load in 3 page groups, streams
+    each group's end, and every block's bytes are equal at the end."""
     from kvbm_client.channels import open_channel
     from kvbm_client.contract import pb, rpc
     from kvbm_client.leader_session import LeaderSession
-    node = gpu_node("--load-streams", streams, "--load-piece-mb", "1", DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS="64")
+    node = gpu_node(DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS="64")
     client = node.client()
     kv = make_kv("cross", NUM_BLOCKS, LAYERS)
     fill_random(kv, 1)

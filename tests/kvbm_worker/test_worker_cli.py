@@ -41,24 +41,3 @@ def test_the_pacing_of_layer_grouped_loads_comes_from_the_arguments():
     for bad in (["--load-ahead", "-1"], ["--load-piece-mb", "0"], ["--switch-interval-ms", "0"]):
         with pytest.raises(KvbmConfigError):
             data_path(build_parser().parse_args(bad))
-
-
-def test_the_batched_copies_attributes_come_from_the_arguments():
-    from kvbm_worker.handlers.cudart_direct import SRC_ACCESS_ORDER_ANY, SRC_ACCESS_ORDER_STREAM, CopyHints
-    path = data_path(build_parser().parse_args(["--gpu", "0"]))
-    assert path.copy_hints == CopyHints() and path.copy_hints.order == SRC_ACCESS_ORDER_STREAM
-    assert path.copy_hints.flags == 1, "cudaMemcpyFlagPreferOverlapWithCompute by default"
-    path = data_path(build_parser().parse_args(["--gpu", "0", "--copy-src-order", "any", "--copy-overlap-hint", "off"]))
-    assert path.copy_hints == CopyHints(src_any=True, overlap=False)
-    assert path.copy_hints.order == SRC_ACCESS_ORDER_ANY and path.copy_hints.flags == 0
-    for bad in (["--copy-src-order", "any"], ["--copy-overlap-hint", "off"]):
-        with pytest.raises(KvbmConfigError, match="--gpu"):
-            data_path(build_parser().parse_args(bad))
-
-
-def test_the_load_streams_come_from_the_arguments():
-    assert data_path(build_parser().parse_args(["--gpu", "0"])).load_streams == 1
-    assert data_path(build_parser().parse_args(["--gpu", "0", "--load-streams", "2"])).load_streams == 2
-    for bad in (["--gpu", "0", "--load-streams", "0"], ["--gpu", "0", "--load-streams", "9"], ["--load-streams", "2"]):
-        with pytest.raises(KvbmConfigError, match="--load-streams"):
-            data_path(build_parser().parse_args(bad))
