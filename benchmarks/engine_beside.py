@@ -4,11 +4,12 @@
         [--max-len 24576] [--g1-gb 4] [--ctx-len 20000]
 
 Why (2026-11-27, nineteenth session): beside vLLM the kvbm worker's copy lane spends CPU time in
-proportion to a piece's bytes (~0.19 ms + bytes at ~62 GB/s a piece, H100), where the same daemon
-without vLLM issues a 256 MiB piece in ~0.7 ms (``benchmarks/lane_issue.py``, README). An engine
-process that only exists beside ``daemon_layer_loads.py`` (``idle``), or one that computes
-(``--busy``: cold prefills of ``--ctx-len`` tokens back to back, vLLM alone without a connector),
-says whether the engine's presence or its work costs the worker.
+proportion to a piece's bytes (0.25-0.37 ms + bytes at 61-70 GB/s a piece, H100 and H200), where
+the same daemon without vLLM issues a 256 MiB piece in ~0.7 ms (``benchmarks/lane_issue.py``,
+README). An engine process that only exists beside ``daemon_layer_loads.py`` (``idle``), or one
+that computes (``--busy``: cold prefills of ``--ctx-len`` tokens back to back, vLLM alone without a
+connector), says whether the engine's presence or its work costs the worker (runbook step
+``beside20``).
 
 The engine is vLLM's ``LLM`` with the harness's shared settings (``vllm_peers.base_engine_kwargs``:
 eager, dummy weights, ``--g1-gb`` of KV cache). Once it answered one prompt it creates ``--ready``;
