@@ -3,6 +3,7 @@
 issue rate and the copy engine's idle time from it."""
 from __future__ import annotations
 
+import statistics
 import sys
 from pathlib import Path
 
@@ -35,8 +36,9 @@ def worker_line(issue_ms: float, dma_gbps: float, with_usage: bool = True) -> tu
         t = issued
     for end in bounds:
         landed.advance(end, landed.t0 + gpu_free / 1e3)
-    total = BLOCKS * PAGES * PAGE
-    return f"DEBUG kvbm.worker: job 7 load: {BLOCKS} blocks, {total} bytes in {gpu_free:.2f} ms{landed.describe()}", sizes
+    total = BLOCKS * PAGES * PAGE  # (the prefix as runner.py logs it)
+    line = f"DEBUG kvbm.worker: job 7 load: {BLOCKS} blocks, {total} bytes in {gpu_free:.2f} ms{landed.describe()}"
+    return line, sizes
 
 
 @pytest.mark.parametrize("issue_ms,idle", [(0.05, False), (4.0, True)])
@@ -47,7 +49,7 @@ def test_a_load_line_gives_bytes_rates_and_the_idle_copy_engine(issue_ms: float,
     pacing = GroupPacing(piece_bytes=8 << 20)
     assert lane_issue.piece_bytes(rows[0], PAGES, pacing) == sizes
     out = lane_issue.analyse(rows[0], PAGES, pacing)
-    assert out["issue_gbps"] == pytest.approx(statistics_median([n / (issue_ms * 1e6) for n in sizes]), rel=0.05)
+    assert out["issue_gbps"] == pytest.approx(statistics.median([n / (issue_ms * 1e6) for n in sizes]), rel=0.05)
     assert out["issue_sys_share"] == pytest.approx(0.25, abs=0.02)
     assert out["faults_per_mib"] == pytest.approx(sum(n >> 20 for n in sizes) / (BLOCKS * PAGES * PAGE / (1 << 20)),
                                                   rel=0.01)
@@ -62,8 +64,3 @@ def test_lines_without_usage_still_parse() -> None:
     line, _ = worker_line(1.0, 50.0, with_usage=False)
     out = lane_issue.analyse(lane_issue.job_rows(line)[0], PAGES, GroupPacing(piece_bytes=8 << 20))
     assert out["issue_gbps"] is None and "issue_sys_share" not in out and out["dma_idle_ms"] > 0
-
-
-def statistics_median(values: list[float]) -> float:
-    import statistics
-    return statistics.median(values)
