@@ -6,7 +6,7 @@
 Each ``job N load: ... pieces (issue began, issued, landed) ...`` line (``kvbm-worker`` at
 ``DYN_LOG=debug``, a load the connector's ``layerwise`` mode ran in layer groups) gives, per
 piece, when the lane began and ended issuing it, when it landed by the GPU's clock, and the
-lane's CPU time issuing it (since 2026-11-27, nineteenth session, also its kernel time, minor page faults and
+lane's CPU time issuing it (since the nineteenth session, 2026-11-27, also its kernel time, minor page faults and
 involuntary switches). The pieces' bytes are not in the line: they follow from the load's block
 count, the region's pages per block (``--pages``, 36 for Qwen3-4B) and the worker's cutting
 (``--piece-mb``, ``--shape``: :func:`kvbm_worker.grouping.group_pieces`, as the worker ran).
