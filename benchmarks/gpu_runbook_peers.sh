@@ -253,7 +253,11 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
                 fi
                 python3 benchmarks/daemon_layer_loads.py --blocks 1258 --reps 8 --passes 1 --g2-gb 24 \
                   --json "$R/beside20_$m.json" >>"$R/beside20.log" 2>&1
-                [ -n "$e" ] && { touch "$R/beside.stop"; wait $e; }
+                if [ -n "$e" ]; then  # (an engine that does not stop within 60 s is killed)
+                  touch "$R/beside.stop"
+                  for i in $(seq 1 60); do kill -0 $e 2>/dev/null || break; sleep 1; done
+                  kill $e 2>/dev/null; wait $e
+                fi
                 step "beside20 $m done"
               done ;;
     alone20) python3 benchmarks/daemon_layer_loads.py --blocks 1258 --reps 10 --passes 1 --g2-gb 24 \
