@@ -247,16 +247,16 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
                 e=""; rm -f "$R/beside.ready" "$R/beside.stop"
                 if [ "${m%2}" != none ]; then
                   PYTHONPATH=/tmp/site:$PWD/.site:$PWD HF_HUB_OFFLINE=1 VLLM_CACHE_ROOT=/tmp/vc \
-                    VLLM_USE_FLASHINFER_SAMPLER=0 python3 benchmarks/engine_beside.py --ready "$R/beside.ready" \
+                    VLLM_USE_FLASHINFER_SAMPLER=0 setsid python3 benchmarks/engine_beside.py --ready "$R/beside.ready" \
                     --stop "$R/beside.stop" $([ $m = busy ] && echo --busy) >>"$R/beside20_engine.log" 2>&1 & e=$!
                   for i in $(seq 1 150); do [ -e "$R/beside.ready" ] && break; sleep 2; done
                 fi
                 python3 benchmarks/daemon_layer_loads.py --blocks 1258 --reps 8 --passes 1 --g2-gb 24 \
                   --json "$R/beside20_$m.json" >>"$R/beside20.log" 2>&1
-                if [ -n "$e" ]; then  # (an engine that does not stop within 60 s is killed)
+                if [ -n "$e" ]; then  # (an engine that does not stop within 60 s is killed, with its children)
                   touch "$R/beside.stop"
                   for i in $(seq 1 60); do kill -0 $e 2>/dev/null || break; sleep 1; done
-                  kill $e 2>/dev/null; wait $e
+                  kill -- -$e 2>/dev/null; wait $e
                 fi
                 step "beside20 $m done"
               done ;;
