@@ -23,7 +23,7 @@ import json
 import time
 from pathlib import Path
 
-from vllm_peers import QWEN3_4B, base_engine_kwargs
+from vllm_peers import base_engine_kwargs, write_model_config
 
 
 def main() -> None:
@@ -38,14 +38,8 @@ def main() -> None:
     ap.add_argument("--ctx-len", type=int, default=20000)
     ap.add_argument("--tiny", action="store_true", help="a two-layer model (a smoke test on vLLM's CPU build)")
     args = ap.parse_args()
-    model = Path(args.model)
-    if args.tiny or not (model / "config.json").exists():  # (vllm_peers.py writes the same config)
-        model.mkdir(parents=True, exist_ok=True)
-        cfg = dict(QWEN3_4B)
-        if args.tiny:
-            cfg.update(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=64, vocab_size=152000)
-        (model / "config.json").write_text(json.dumps(cfg))
+    if args.tiny or not (Path(args.model) / "config.json").exists():
+        write_model_config(args.model, args.tiny)
     from vllm import LLM, SamplingParams
     engine_args = argparse.Namespace(model=args.model, max_len=args.max_len, cuda_graphs=False, system="baseline",
                                      g1_gb=args.g1_gb, hit_sources=False)

@@ -246,9 +246,8 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
     beside20) for m in none idle busy none2; do
                 e=""; rm -f "$R/beside.ready" "$R/beside.stop"
                 if [ "${m%2}" != none ]; then
-                  PYTHONPATH=/tmp/site:$PWD/.site:$PWD HF_HUB_OFFLINE=1 VLLM_CACHE_ROOT=/tmp/vc \
-                    VLLM_USE_FLASHINFER_SAMPLER=0 setsid python3 benchmarks/engine_beside.py --ready "$R/beside.ready" \
-                    --stop "$R/beside.stop" $([ $m = busy ] && echo --busy) >>"$R/beside20_engine.log" 2>&1 & e=$!
+                  setsid python3 benchmarks/engine_beside.py --ready "$R/beside.ready" --stop "$R/beside.stop" \
+                    $([ $m = busy ] && echo --busy) >>"$R/beside20_engine.log" 2>&1 & e=$!  # (gpu_env.sh's env)
                   for i in $(seq 1 150); do [ -e "$R/beside.ready" ] && break; sleep 2; done
                 fi
                 python3 benchmarks/daemon_layer_loads.py --blocks 1258 --reps 8 --passes 1 --g2-gb 24 \

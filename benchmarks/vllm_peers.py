@@ -271,18 +271,24 @@ def run_engine(name, pass_index, args):
     return res
 
 
+def write_model_config(model, tiny=False):
+    """``model``/config.json: Qwen3-4B's shape (vLLM makes up the weights), or (``tiny``) a
+    two-layer model for a smoke test on a CPU build."""
+    os.makedirs(model, exist_ok=True)
+    cfg = dict(QWEN3_4B)
+    if tiny:
+        cfg.update(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=64, vocab_size=152000)
+    with open(os.path.join(model, "config.json"), "w") as f:
+        json.dump(cfg, f)
+
+
 def main(argv=None, run_one=None):
     """The harness; ``run_one(system, pass_index) -> result`` replaces the engine processes (tests)."""
     args = parse_args(argv)
     if args.engine:
         return engine(args)
-    os.makedirs(args.model, exist_ok=True)
-    cfg = dict(QWEN3_4B)
-    if args.tiny:
-        cfg.update(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=64, vocab_size=152000)
-    with open(os.path.join(args.model, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    write_model_config(args.model, args.tiny)
 
     def write(line):
         if args.out:
