@@ -1,7 +1,7 @@
 """Where a layer-grouped load's copy lane spends its time, read from the worker's debug log.
 
     python3 benchmarks/lane_issue.py WORKER_LOG [WORKER_LOG ...] [--pages 36] [--piece-mb 256]
-        [--shape front] [--min-blocks 1] [--json out.json]
+        [--shape front] [--min-blocks 1] [--max-blocks N] [--fit] [--json out.json]
 
 Each ``job N load: ... pieces (issue began, issued, landed) ...`` line (``kvbm-worker`` at
 ``DYN_LOG=debug``, a load the connector's ``layerwise`` mode ran in layer groups) gives, per
@@ -25,7 +25,10 @@ Per load it reports:
   near 0 when each issue ends as the previous piece lands;
 * the kernel's share of the issue CPU, minor faults per MiB issued, involuntary switches.
 
-Summary (per file): medians over the loads with at least ``--min-blocks`` blocks.
+Summary (per file): medians over the loads with ``--min-blocks`` to ``--max-blocks`` blocks, and
+(``idle_before_piece_ms``) the median idle time before each piece, over the loads cut into the most
+common number of pieces. ``--fit``: one least-squares line through every piece of every file, the
+lane's issue CPU against the piece's bytes: a fixed cost per piece plus bytes at a rate.
 """
 from __future__ import annotations
 
@@ -88,9 +91,14 @@ def analyse(row: dict, pages: int, pacing: GroupPacing) -> dict:
     cpu, gpu, pcs = row["issue_cpu_ms"], row["gpu_landed"], row["pieces"]
     out["issue_cpu_ms"] = round(sum(cpu), 2) if cpu else None
     out["issue_gbps"] = med([b / (c * 1e6) for b, c in zip(sizes, cpu) if c > 0]) if sizes and cpu else None
+    if sizes and cpu:
+        out["pieces_bytes_cpu_ms"] = list(zip(sizes, cpu))
     if gpu:
-        idle = max(0.0, pcs[0][1] - pcs[0][0])  # the first piece's issue: nothing of it moved yet
-        idle += sum(max(0.0, pcs[k][1] - gpu[k - 1]) for k in range(1, len(pcs)))
+        # before the first piece: its issue (nothing of it moved yet); before piece k: piece k's
+        # issue ending after piece k-1 landed
+        before = [max(0.0, pcs[0][1] - pcs[0][0])] + [max(0.0, pcs[k][1] - gpu[k - 1]) for k in range(1, len(pcs))]
+        idle = sum(before)
+        out["idle_before_ms"] = [round(t, 2) for t in before]
         out["dma_idle_ms"] = round(idle, 2)
         out["issued_after_prev_landed_ms"] = med([pcs[k][1] - gpu[k - 1] for k in range(1, len(pcs))])
         out["dma_gbps"] = round(row["bytes"] / ((gpu[-1] - pcs[0][0] - idle) * 1e6), 1) if gpu[-1] > idle else None
@@ -104,7 +112,23 @@ def analyse(row: dict, pages: int, pacing: GroupPacing) -> dict:
 def summarize(loads: list[dict]) -> dict:
     keys = ("lane_ms", "issue_cpu_ms", "issue_gbps", "dma_idle_ms", "issued_after_prev_landed_ms", "dma_gbps",
             "issue_sys_share", "faults_per_mib", "preempted")
-    return {"loads": len(loads), **{k: med([x[k] for x in loads if x.get(k) is not None]) for k in keys}}
+    out = {"loads": len(loads), **{k: med([x[k] for x in loads if x.get(k) is not None]) for k in keys}}
+    cuts = [len(x["idle_before_ms"]) for x in loads if "idle_before_ms" in x]
+    if cuts:
+        n = statistics.mode(cuts)
+        same = [x["idle_before_ms"] for x in loads if len(x.get("idle_before_ms", ())) == n]
+        out["idle_before_piece_ms"] = [med([b[i] for b in same]) for i in range(n)]
+    return out
+
+
+def fit(pairs: list[tuple[int, float]]) -> dict:
+    """Least squares of the issue CPU (ms) against a piece's bytes: fixed ms a piece + bytes at GB/s."""
+    import numpy as np
+    x = np.array([b for b, _ in pairs], dtype=float) / 1e6  # MB
+    y = np.array([c for _, c in pairs], dtype=float)
+    (fixed, ms_per_mb), *_ = np.linalg.lstsq(np.vstack([np.ones_like(x), x]).T, y, rcond=None)
+    return {"pieces": len(pairs), "fixed_ms": round(float(fixed), 3),
+            "gbps": round(1.0 / float(ms_per_mb), 1) if ms_per_mb > 0 else None}
 
 
 def main() -> None:
@@ -114,18 +138,25 @@ def main() -> None:
     ap.add_argument("--piece-mb", type=float, default=PIECE_BYTES / (1 << 20), help="the worker's --load-piece-mb")
     ap.add_argument("--shape", default=GroupShape.FRONT.value, choices=[s.value for s in GroupShape])
     ap.add_argument("--min-blocks", type=int, default=1, help="only loads of at least this many blocks")
+    ap.add_argument("--max-blocks", type=int, default=None, help="only loads of at most this many blocks")
+    ap.add_argument("--fit", action="store_true", help="fit the issue CPU against the bytes over every piece")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     pacing = GroupPacing(int(args.piece_mb * (1 << 20)), shape=GroupShape(args.shape))
-    report = {}
+    report: dict = {}
+    pairs = []
     for path in args.logs:
         loads = [analyse(r, args.pages, pacing) for r in job_rows(path.read_text(errors="replace"))
-                 if r["blocks"] >= args.min_blocks]
+                 if args.min_blocks <= r["blocks"] <= (args.max_blocks or r["blocks"])]
         report[str(path)] = {"summary": summarize(loads), "loads": loads}
+        pairs += [p for x in loads for p in x.pop("pieces_bytes_cpu_ms", ())]  # (for --fit; not kept)
         print(path, json.dumps(report[str(path)]["summary"]))
+    out: dict = {"provenance": provenance(), "args": {k: str(v) for k, v in vars(args).items()}, "files": report}
+    if args.fit and pairs:
+        out["issue_fit"] = fit(pairs)
+        print("issue_fit", json.dumps(out["issue_fit"]))
     if args.json:
-        args.json.write_text(json.dumps({"provenance": provenance(), "args": {k: str(v) for k, v in vars(args).items()},
-                                         "files": report}, indent=1))
+        args.json.write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

@@ -64,3 +64,16 @@ def test_lines_without_usage_still_parse() -> None:
     line, _ = worker_line(1.0, 50.0, with_usage=False)
     out = lane_issue.analyse(lane_issue.job_rows(line)[0], PAGES, GroupPacing(piece_bytes=8 << 20))
     assert out["issue_gbps"] is None and "issue_sys_share" not in out and out["dma_idle_ms"] > 0
+
+
+def test_the_idle_time_before_each_piece_and_the_fit_of_the_issue_cost() -> None:
+    line, sizes = worker_line(4.0, dma_gbps=5.0)
+    pacing = GroupPacing(piece_bytes=8 << 20)
+    out = lane_issue.analyse(lane_issue.job_rows(line)[0], PAGES, pacing)
+    summary = lane_issue.summarize([out, out])
+    assert len(summary["idle_before_piece_ms"]) == len(sizes)
+    assert sum(summary["idle_before_piece_ms"]) == pytest.approx(out["dma_idle_ms"], abs=0.05)
+    assert summary["idle_before_piece_ms"][0] == pytest.approx(4.0, abs=0.1), "the first piece's whole issue"
+    pairs = [(n, 0.3 + n / 65e6) for n in (4 << 20, 32 << 20, 128 << 20, 256 << 20)]  # 0.3 ms + bytes at 65 GB/s
+    assert lane_issue.fit(pairs) == {"pieces": 4, "fixed_ms": pytest.approx(0.3, abs=1e-3),
+                                     "gbps": pytest.approx(65.0, abs=0.1)}
