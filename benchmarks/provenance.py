@@ -48,13 +48,23 @@ def commit() -> dict[str, Any]:
 
 
 def _cpu_model() -> str | None:
+    """The CPU's model name, with its family, model and stepping where /proc/cpuinfo has them: a
+    cloud VM's name can be generic ("Intel(R) Xeon(R) Processor") where the numbers tell hosts
+    apart (family 6 model 143: Sapphire Rapids; 207: Emerald Rapids)."""
+    fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("model name", "cpu family", "model", "stepping") and key not in fields:
+                fields[key] = value.strip()
+            if not line.strip() and fields:
+                break  # (the first processor's block is enough)
     except OSError:
         pass
-    return platform.processor() or None
+    name = fields.get("model name") or platform.processor() or None
+    numbers = ", ".join(f"{k} {fields[k]}" for k in ("cpu family", "model", "stepping") if k in fields)
+    return f"{name} ({numbers})" if name and numbers else name
 
 
 def _ram_bytes() -> int | None:
@@ -65,14 +75,16 @@ def _ram_bytes() -> int | None:
 
 
 def _gpus() -> list[dict[str, str]] | None:
-    """Name and driver of each GPU, from nvidia-smi; None where there is none to ask."""
+    """Name, driver, memory and PCIe link (generation x width, now) of each GPU, from nvidia-smi;
+    None where there is none to ask."""
     if shutil.which("nvidia-smi") is None:
         return None
-    out = _run("nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader")
+    out = _run("nvidia-smi", "--query-gpu=name,driver_version,memory.total,pcie.link.gen.current,"
+               "pcie.link.width.current", "--format=csv,noheader")
     if out is None:
         return None
     rows = [[c.strip() for c in line.split(",")] for line in out.splitlines() if line.strip()]
-    return [{"name": r[0], "driver": r[1], "memory": r[2]} for r in rows if len(r) == 3]
+    return [{"name": r[0], "driver": r[1], "memory": r[2], "pcie": f"gen {r[3]} x{r[4]}"} for r in rows if len(r) == 5]
 
 
 def _torch_view() -> dict[str, Any] | None:
