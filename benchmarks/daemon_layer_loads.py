@@ -2,12 +2,16 @@
 inside the worker daemon, or only beside vLLM?
 
     python3 benchmarks/daemon_layer_loads.py [--blocks 1258] [--groups 6] [--reps 12] [--gap-ms 150]
-        [--busy] [--hog N] [--variant NAME=WORKER_FLAGS ...] [--passes 2] [--g2-gb 12] [--json out.json]
+        [--busy] [--hog N] [--variant NAME=WORKER_FLAGS ...] [--passes 2] [--g2-gb 12]
+        [--layout cross-layer|per-layer] [--json out.json]
 
 This process plays the engine: a vLLM-like cross-layer KV cache on the GPU ([blocks, 36 layers, 2,
 16 tokens, 8 heads, 128] bf16, Qwen3-4B's shape: 2.25 MiB blocks) exported through CUDA IPC to a
 ``kvbm-worker --gpu 0`` of a real node (leader and worker as child processes, the worker at
-``DYN_LOG=debug``). It stores ``--blocks`` blocks, then ``--reps`` times: looks the prefix up
+``DYN_LOG=debug``). ``--layout per-layer`` instead gives each layer its own allocation
+([blocks, 16 tokens, 8 heads, 2 x 128] bf16: one 64 KiB page per block and layer), as vLLM 0.26's V2
+model runner allocates Qwen3's KV cache (the harness's engine): a block's pages are then 36 copies,
+where the cross-layer buffer's merge into one. It stores ``--blocks`` blocks, then ``--reps`` times: looks the prefix up
 (``PrepareLoad``) and loads it into other blocks with ``TransferLayers`` in ``--groups`` layer
 groups (the connector's ``layerwise`` load), ``--gap-ms`` apart (the GPU idle in between, as between
 requests). ``--busy``: a bf16 matmul loop runs on this process's GPU context during every load (the
@@ -50,6 +54,8 @@ from kvbm_worker.grouping import GroupPacing
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS, TOKENS, HEADS, DIM = 36, 16, 8, 128
+#: pages per block in the region each layout exports (cross-layer: a page is one layer's K or V)
+PAGES = {"cross-layer": 2 * LAYERS, "per-layer": LAYERS}
 
 
 def med(values: list[float]) -> float | None:
@@ -90,7 +96,20 @@ def daemon_rows(log: Path) -> list[dict]:
     return job_rows(log.read_text(errors="replace"))
 
 
-def one_variant(name: str, flags: list[str], kv, args: argparse.Namespace, busy: Busy | None) -> dict:
+def make_kv(n: int, layout: str) -> list:
+    """The engine's KV cache for ``n`` blocks (and ``n`` more to load into): one cross-layer tensor, or
+    one tensor per layer (``per-layer``, each its own allocation), random bytes."""
+    import torch
+    if layout == "per-layer":
+        kv = [torch.empty(2 * n + 8, TOKENS, HEADS, 2 * DIM, dtype=torch.bfloat16, device="cuda") for _ in range(LAYERS)]
+    else:
+        kv = [torch.empty(2 * n + 8, LAYERS, 2, TOKENS, HEADS, DIM, dtype=torch.bfloat16, device="cuda")]
+    for t in kv:
+        t.view(torch.uint8).random_(0, 256)
+    return kv
+
+
+def one_variant(name: str, flags: list[str], kv: list, args: argparse.Namespace, busy: Busy | None) -> dict:
     import torch
     n = args.blocks
     with tempfile.TemporaryDirectory(prefix="kvbm-layer-loads-", dir="/tmp") as tmp:
@@ -103,7 +122,7 @@ def one_variant(name: str, flags: list[str], kv, args: argparse.Namespace, busy:
         readers = ThreadPoolExecutor(4)
         channel = None
         try:
-            region_id = client.register_region("0", export_kv_cache(kv, block_dim=0))
+            region_id = client.register_region("0", export_kv_cache(kv if len(kv) > 1 else kv[0], block_dim=0))
             client.wait_ready(600)
             keys = [os.urandom(16) for _ in range(n)]
             src, dst = list(range(n)), list(range(n, 2 * n))
@@ -114,7 +133,8 @@ def one_variant(name: str, flags: list[str], kv, args: argparse.Namespace, busy:
             loads = []
             for rep in range(args.reps):
                 time.sleep(args.gap_ms / 1e3)
-                kv[n:2 * n].zero_()
+                for t in kv:
+                    t[n:2 * n].zero_()
                 torch.cuda.synchronize()
                 t = time.perf_counter()
                 handle = client.prepare_load(keys)
@@ -134,7 +154,7 @@ def one_variant(name: str, flags: list[str], kv, args: argparse.Namespace, busy:
                 loads.append({"rep": rep, "lookup_ms": round(lookup * 1e3, 2), "landed_ms": landed,
                               "done_ms": round((done - sent) * 1e3, 2), "daemon_lane_ms": round(answer.seconds * 1e3, 2)})
             step = max(1, n // 64)  # (compared as bytes: random bf16 bytes hold NaNs, which never equal)
-            equal = bool(torch.equal(kv[n:2 * n:step].view(torch.uint8), kv[0:n:step].view(torch.uint8)))
+            equal = all(bool(torch.equal(t[n:2 * n:step].view(torch.uint8), t[0:n:step].view(torch.uint8))) for t in kv)
         finally:
             if channel is not None:
                 channel.close()
@@ -159,7 +179,7 @@ def one_variant(name: str, flags: list[str], kv, args: argparse.Namespace, busy:
         "issue_cpu_ms_median": med([v for j in jobs for v in j["issue_cpu_ms"]]),
         # per load: issue rate (bytes / lane CPU), idle copy engine, ... (lane_issue.py; the cut the
         # worker's defaults make: None where a variant's flags cut the pieces otherwise)
-        "lane": summarize([analyse(j, LAYERS, GroupPacing()) for j in jobs]),
+        "lane": summarize([analyse(j, PAGES[args.layout], GroupPacing()) for j in jobs]),
     }
 
 
@@ -175,6 +195,9 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--g2-gb", type=float, default=12.0)
     ap.add_argument("--hog", type=int, default=0, help="this many processes spin on the CPU throughout")
+    ap.add_argument("--layout", choices=sorted(PAGES), default="cross-layer",
+                    help="the engine's KV cache: one cross-layer tensor (vLLM's V1 runner with a connector that "
+                         "prefers it) or one allocation per layer (the V2 runner, vLLM 0.26's default for Qwen3)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     hogs = Hogs(args.hog)
@@ -182,8 +205,7 @@ def main() -> None:
     variants = [(v.split("=", 1)[0], shlex.split(v.split("=", 1)[1] if "=" in v else "")) for v in args.variant] \
         or [("default", [])]
     n = args.blocks
-    kv = torch.empty(2 * n + 8, LAYERS, 2, TOKENS, HEADS, DIM, dtype=torch.bfloat16, device="cuda")
-    kv.view(torch.uint8).random_(0, 256)
+    kv = make_kv(n, args.layout)
     torch.cuda.synchronize()
     busy = Busy() if args.busy else None
     results = []

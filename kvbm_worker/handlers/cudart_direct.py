@@ -88,6 +88,8 @@ class Direct:
                            ctypes.c_size_t]
         self._batch.argtypes = head + ([] if self.version >= 13000 else [_SIZE_P]) + [ctypes.c_void_p]
         self._batch.restype = ctypes.c_int
+        self._batch_free = free.cudaMemcpyBatchAsync  # (the same call, giving up the lock: issuing threads)
+        self._batch_free.argtypes, self._batch_free.restype = self._batch.argtypes, ctypes.c_int
         self._record = held.cudaEventRecord
         self._record.argtypes, self._record.restype = [ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int
         self._query = held.cudaEventQuery
@@ -116,8 +118,9 @@ class Direct:
             raise DirectError(f"{what}: {name.decode() if name else err}")
 
     def batch(self, dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64], lengths: npt.NDArray[np.int64],
-              stream: int) -> None:
-        """``cudaMemcpyBatchAsync`` of ``src[i] -> dst[i]`` (``lengths[i]`` bytes) on ``stream``."""
+              stream: int, release: bool = False) -> None:
+        """``cudaMemcpyBatchAsync`` of ``src[i] -> dst[i]`` (``lengths[i]`` bytes) on ``stream``
+        (``release``: the interpreter lock is given up during the call, so threads issue at once)."""
         d = np.ascontiguousarray(dst, dtype=np.uint64)
         s = np.ascontiguousarray(src, dtype=np.uint64)
         n = np.ascontiguousarray(lengths, dtype=np.uint64)
@@ -125,7 +128,8 @@ class Direct:
                            len(d), ctypes.byref(self._attr), self._attr_idx, 1]
         if self.version < 13000:
             args.append(ctypes.byref(self._fail))
-        self.check(self._batch(*args, stream), f"cudaMemcpyBatchAsync ({len(d)} copies)")
+        call = self._batch_free if release else self._batch
+        self.check(call(*args, stream), f"cudaMemcpyBatchAsync ({len(d)} copies)")
 
     def event(self, timed: bool = False) -> "RawEvent":
         return RawEvent(self, timed)
