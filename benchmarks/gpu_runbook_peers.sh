@@ -127,6 +127,9 @@
 #   beside20  alone20 (8 loads, one pass) with nothing else on the GPU, beside an idle vLLM engine, beside a
 #             busy one (cold 20K prefills back to back), then alone again (engine_beside.py: is it vLLM's
 #             presence or its work that makes the lane's issue cost grow with a piece's bytes?)
+#   threads20 the same with --issue-threads 1 and 2, twice in turn (A B A B): a load's copies issued from one
+#             thread or two (vLLM 0.26's V2 runner gives Qwen3 a KV allocation per layer: a copy per page;
+#             2026-11-27 twentieth session)
 # (The nineteenth session's streams20 / gpuload steps, at 825e0ce, tried --load-streams, since removed.)
 # Earlier sessions' runs (other steps, other systems) are recorded in their result files' argv.
 . benchmarks/gpu_runbook_env.sh  # set -u, $R, step, A20, G8
@@ -243,6 +246,7 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
     pieces20) for p in 1 2; do
                 variants pieces_p$p "mb256=--load-piece-mb 256" "mb64=--load-piece-mb 64" "mb32=--load-piece-mb 32"
               done ;;
+    threads20) for p in 1 2; do variants threads_p$p "t1=--issue-threads 1" "t2=--issue-threads 2"; done ;;
     beside20) for m in none idle busy none2; do
                 e=""; rm -f "$R/beside.ready" "$R/beside.stop"
                 if [ "${m%2}" != none ]; then

@@ -12,13 +12,12 @@ whether two or more threads, each issuing its share of a piece on its own stream
 A pinned host pool like G2 (1 GiB registrations), a device buffer, and
 :class:`~kvbm_worker.handlers.cuda_copier.CudaCopier`'s ``_issue`` (the worker's mechanism: ``direct``
 where the runtime has it, else ``batch``) of four pieces back to back, as the lane queues them; each
-piece's copies are scattered (none merge) and cut into ``T`` contiguous shares, share 0 issued by
-the calling thread on the copier's H2D stream, the others by helper threads on their own streams
-(each first waits for the H2D stream, and the H2D stream then waits for each of them). With one
-thread the call keeps the interpreter lock, as the worker's does; with more, every share's call
-gives it up (``Direct.batch(release=True)``), or the threads could not be in the driver at once. Reports per
-copy size and thread count: the median wall time to issue a piece (all shares submitted), the
-lane thread's CPU time for it, and the DMA time of the four pieces (CUDA events on the H2D stream).
+piece's copies are scattered (none merge; cut at the pinned ranges' edges as the worker cuts them).
+With ``T`` > 1 threads the worker's own :class:`~kvbm_worker.handlers.issuers.Issuers` issues each
+piece in ``T`` contiguous shares (share 0 by the calling thread on the copier's H2D stream, the others
+by helper threads on their own streams, every call giving up the interpreter lock). Reports per copy
+size and thread count: the median wall time to issue a piece (all shares submitted), the calling
+thread's CPU time for it, and the DMA time of the four pieces (CUDA events on the H2D stream).
 """
 from __future__ import annotations
 
@@ -26,47 +25,27 @@ import argparse
 import json
 import statistics
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
 from gpu_bench import pinned_copier, write_result
 
-from kvbm_worker.handlers.cuda_copier import BATCH_MAX, CopyMechanism, CudaCopier, Direction
+from kvbm_worker.handlers.cuda_copier import CopyMechanism, CudaCopier, Direction
+from kvbm_worker.handlers.issuers import Issuers
 from kvbm_worker.pools import HostPool
 
 PIECES = 4  # as the lane queues them (GROUP_DEPTH 3 behind the first)
 
 
 def run(copier: CudaCopier, host: HostPool, dev, piece: int, size: int, threads: int, reps: int,
-        rng: np.random.Generator, pool: ThreadPoolExecutor) -> dict:
+        rng: np.random.Generator) -> dict:
     n = piece // size
     units = host.buffer.nbytes // size
     main = copier.streams[Direction.H2D]
-    helpers = [torch.cuda.Stream(device=copier.device) for _ in range(threads - 1)]
     mech = CopyMechanism.DIRECT if copier._direct is not None else CopyMechanism.BATCH
-    lengths = np.full(n, size, np.int64)
-    cuts = np.linspace(0, n, threads + 1).astype(int)
-
-    def issue(i: int, src: np.ndarray, dst: np.ndarray, stream) -> None:
-        a, b = cuts[i], cuts[i + 1]
-        if mech is CopyMechanism.DIRECT and threads > 1:  # (the lock given up, so shares run at once)
-            assert copier._direct is not None
-            for j in range(a, b, BATCH_MAX):
-                k = min(b, j + BATCH_MAX)
-                copier._direct.batch(dst[j:k], src[j:k], lengths[j:k], stream.cuda_stream, release=True)
-        else:
-            copier._issue(src[a:b], dst[a:b], lengths[a:b], mech, stream)
-
-    def share(i: int, src: np.ndarray, dst: np.ndarray, after: torch.cuda.Event) -> torch.cuda.Event:
-        stream = helpers[i - 1]
-        stream.wait_event(after)
-        issue(i, src, dst, stream)
-        done = torch.cuda.Event()
-        done.record(stream)
-        return done
-
+    issuers = Issuers(copier._direct, copier.device, threads, min_copies=threads) \
+        if copier._direct is not None and threads > 1 else None
     wall: list[list[float]] = [[] for _ in range(PIECES)]
     cpu: list[float] = []
     total: list[float] = []
@@ -78,21 +57,23 @@ def run(copier: CudaCopier, host: HostPool, dev, piece: int, size: int, threads:
             for k in range(PIECES):
                 src = host.address + rng.choice(units, n, replace=False).astype(np.int64) * size
                 dst = dev.data_ptr() + (k * n + rng.permutation(n).astype(np.int64)) * size
+                src, dst, lengths = copier.pinned.split(src, dst, np.full(n, size, np.int64), src)
                 t, c = time.perf_counter(), time.thread_time()
-                after = torch.cuda.Event()
-                after.record(main)
-                futures = [pool.submit(share, i, src, dst, after) for i in range(1, threads)]
-                issue(0, src, dst, main)
-                for f in futures:
-                    main.wait_event(f.result())
+                if issuers is not None:
+                    issuers.issue(dst, src, lengths, main.cuda_stream)
+                else:
+                    copier._issue(src, dst, lengths, mech, main)
                 wall[k].append((time.perf_counter() - t) * 1e3)
                 if k == 1:
                     cpu.append((time.thread_time() - c) * 1e3)
             end.record(main)
             end.synchronize()
             total.append(start.elapsed_time(end))
+    if issuers is not None:
+        issuers.close()
     piece_ms = statistics.median(wall[1])
-    return {"copy_bytes": size, "copies_per_piece": n, "threads": threads, "mechanism": mech.value,
+    return {"copy_bytes": size, "copies_per_piece": n, "threads": threads,
+            "mechanism": mech.value if issuers is None else "direct, split (issuers)",
             "issue_ms_by_piece": [round(statistics.median(v), 3) for v in wall],
             "lane_cpu_ms_per_piece": round(statistics.median(cpu), 3),
             "dma_ms_4_pieces": round(statistics.median(total), 2),
@@ -112,13 +93,12 @@ def main() -> None:
     counts = [int(t) for t in args.threads.split(",")]
     rng = np.random.default_rng(0)
     rows = []
-    with pinned_copier(2304 << 10, (12 << 30) // (2304 << 10)) as (host, copier), \
-            ThreadPoolExecutor(max(counts)) as pool:
+    with pinned_copier(2304 << 10, (12 << 30) // (2304 << 10)) as (host, copier):
         dev = torch.empty(PIECES * piece, dtype=torch.uint8, device=f"cuda:{copier.device}")
         for size in (int(s) << 10 for s in args.sizes.split(",")):
             for _ in range(2):  # two alternating passes over the thread counts
                 for threads in counts:
-                    row = run(copier, host, dev, piece, size, threads, args.reps, rng, pool)
+                    row = run(copier, host, dev, piece, size, threads, args.reps, rng)
                     rows.append(row)
                     print(json.dumps(row), flush=True)
     write_result(args.json, args, rows)

@@ -31,6 +31,7 @@ from .grouping import GroupPacing
 from .handlers.cuda_copier import CopyMechanism
 from .handlers.disk import open_disk_io
 from .handlers.disk_guard import TimedDiskIO
+from .handlers.issuers import ISSUE_THREADS
 from .lanes import Lanes
 from .mover import BlockMover
 from .pools import DiskPool, HostPool, PersistAs, SlotGeometry
@@ -46,6 +47,7 @@ class DataPath:
     cuda_copy: CopyMechanism = CopyMechanism.AUTO
     prefer_nixl: bool = True  # G3 through NIXL's POSIX backend when it loads
     pacing: GroupPacing = GroupPacing()  # how layer-grouped loads are cut and queued
+    issue_threads: int = ISSUE_THREADS  # threads issuing one load's long copy lists at once (GPU)
 
 
 @dataclass
@@ -203,7 +205,8 @@ class PoolAllocator:
         from .handlers.cuda import CudaMover  # lazy: CUDA only on a GPU worker
         return CudaMover(host, disk, disk_io, host_checksums=checksums, pacing=self.path.pacing,
                          device=self.path.gpu,
-                         mechanism=self.path.cuda_copy, progress=progress.second_half, deadline=progress.deadline)
+                         mechanism=self.path.cuda_copy, progress=progress.second_half, deadline=progress.deadline,
+                         issue_threads=self.path.issue_threads)
 
     @property
     def disk_index(self) -> str:

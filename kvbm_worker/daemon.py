@@ -37,6 +37,7 @@ from .allocation import DataPath
 from .cluster import WorkerCluster
 from .grouping import GROUP_DEPTH, PIECE_BYTES, GroupPacing, GroupShape
 from .handlers.cuda_copier import CopyMechanism
+from .handlers.issuers import ISSUE_THREADS, MAX_ISSUE_THREADS, SPLIT_MIN_COPIES
 from .leader_link import LeaderLink
 from .service import WorkerService
 
@@ -195,6 +196,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="pieces of a layer-grouped load queued on the copy stream behind the one the copy "
                              "lane waits for; 0: all of them (a piece is queued only if it would land before the "
                              f"job's deadline at 1 GB/s) [default {GROUP_DEPTH}]")
+    parser.add_argument("--issue-threads", type=int, default=ISSUE_THREADS, metavar="N",
+                        help="with --gpu: threads issuing a load's copies at once when one call has at least "
+                             f"{SPLIT_MIN_COPIES} (a KV cache allocated per layer, as vLLM's V2 model runner does, "
+                             "gives a copy per block and layer; one cross-layer buffer a copy per block); 1: the "
+                             f"copy lane alone [default {ISSUE_THREADS}]")
     parser.add_argument("--switch-interval-ms", type=float, default=SWITCH_INTERVAL_MS, metavar="MS",
                         help="Python's thread switch interval in this daemon: at most how long a copy lane waits "
                              "for the interpreter lock while another thread holds it (Python's own default is 5; "
@@ -211,10 +217,13 @@ def data_path(args: argparse.Namespace) -> DataPath:
         raise KvbmConfigError("--cuda-copy applies to the GPU data path: give --gpu DEVICE")
     if not 0 < args.load_piece_mb <= 1 << 20 or args.load_ahead < 0:
         raise KvbmConfigError(f"--load-piece-mb must be in (0, {1 << 20}] and --load-ahead >= 0")
+    if not 1 <= args.issue_threads <= MAX_ISSUE_THREADS:
+        raise KvbmConfigError(f"--issue-threads must be in [1, {MAX_ISSUE_THREADS}]")
     if not 0 < args.switch_interval_ms <= 1000:
         raise KvbmConfigError("--switch-interval-ms must be in (0, 1000]")
     pacing = GroupPacing(int(args.load_piece_mb * (1 << 20)), args.load_ahead, GroupShape(args.load_group_shape))
-    return DataPath(gpu=args.gpu, cuda_copy=mechanism, prefer_nixl=not args.no_nixl, pacing=pacing)
+    return DataPath(gpu=args.gpu, cuda_copy=mechanism, prefer_nixl=not args.no_nixl, pacing=pacing,
+                    issue_threads=args.issue_threads)
 
 
 def main(argv: list[str] | None = None) -> int:

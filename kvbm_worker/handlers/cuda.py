@@ -83,7 +83,7 @@ class CudaMover(BlockMover):
     def __init__(self, host: HostPool | None, disk: DiskPool | None, disk_io: TimedDiskIO | None, *,
                  host_checksums: bool = False, pacing: GroupPacing = GroupPacing(), device: int,
                  mechanism: CopyMechanism = CopyMechanism.AUTO, progress: Callable[[float], None] | None = None,
-                 deadline: float | None = None) -> None:
+                 deadline: float | None = None, issue_threads: int = 1) -> None:
         super().__init__(host, disk, disk_io, host_checksums=host_checksums, pacing=pacing)
         self.device = device
         self.pinned = PinnedHost(device)
@@ -93,7 +93,7 @@ class CudaMover(BlockMover):
                 self.pinned.pin(host.address, host.buffer.nbytes, chunk, progress, deadline)
             for buf in self.bounce.values():
                 self.pinned.pin(buf.slots.ctypes.data, buf.slots.nbytes)
-            self.copier = CudaCopier(device, self.pinned, mechanism)
+            self.copier = CudaCopier(device, self.pinned, mechanism, issue_threads=issue_threads)
         except BaseException:
             self.pinned.close()
             super().close()

@@ -18,6 +18,8 @@ Mechanisms (``--cuda-copy``, :class:`CopyMechanism`):
 * ``gather``: pages gathered on the GPU (``index_select``) into a staging buffer, then one DMA
   per contiguous slot run (loads: DMA then ``index_copy_``). Uses SMs briefly; needs every
   layer's offset and stride to be multiples of the page size.
+  A load's call of at least ``split_min`` copies is issued from ``issue_threads`` threads at
+  once (:mod:`.issuers`: a KV cache allocated per layer gives a copy per block and layer).
 * ``auto`` (the default): ``direct`` where it passed that check, else ``batch`` where the CUDA
   runtime has it; else ``runs`` when the runs
   of a batch average at least 256 KiB (or the layout cannot be gathered), else ``gather``.
@@ -38,6 +40,8 @@ from ..cuda_region import CudaEngineRegion, CudaError, check, cudart
 from ..id_arrays import EngineBlocks
 from ..runs import page_range, segments
 from . import cudart_direct
+from .cudart_direct import BATCH_MAX
+from .issuers import SPLIT_MIN_COPIES, Issuers
 from .pinned import PinnedHost
 from .signal_words import SignalWords
 
@@ -45,7 +49,6 @@ log = logging.getLogger("kvbm.worker")
 
 Addrs = npt.NDArray[np.int64]
 STAGING_BYTES = 128 << 20  # per direction, on the GPU
-BATCH_MAX = 4096  # copies per cudaMemcpyBatchAsync call
 AUTO_DMA_MIN_BYTES = 256 << 10  # auto: runs at least this long on average go straight to DMA
 
 
@@ -108,7 +111,8 @@ class CudaCopier:
     """
 
     def __init__(self, device: int, pinned: PinnedHost, mechanism: str = CopyMechanism.AUTO,
-                 staging_bytes: int = STAGING_BYTES) -> None:
+                 staging_bytes: int = STAGING_BYTES, issue_threads: int = 1,
+                 split_min: int = SPLIT_MIN_COPIES) -> None:
         import torch
         if mechanism not in MECHANISMS:
             raise ValueError(f"unknown copy mechanism {mechanism!r}; one of {', '.join(MECHANISMS)}")
@@ -133,6 +137,9 @@ class CudaCopier:
         self._direct: cudart_direct.Direct | None = None
         if self.mechanism in (CopyMechanism.AUTO, CopyMechanism.DIRECT):
             self._direct = cudart_direct.checked(device)
+        # loads' long copy lists (a per-layer KV cache's pages) issued from several threads at once
+        self._issuers = Issuers(self._direct, device, issue_threads, split_min) \
+            if self._direct is not None and issue_threads > 1 else None
 
     def warm(self, direction: str, host_src: int | None = None, nbytes: int = 4 << 20) -> None:
         """One copy in ``direction`` on its stream, with the mechanism real copies use, on the
@@ -266,6 +273,9 @@ class CudaCopier:
     def _issue(self, src: Addrs, dst: Addrs, lengths: Addrs, mech: CopyMechanism, stream: Any) -> None:
         handle = stream.cuda_stream
         if mech is CopyMechanism.DIRECT and self._direct is not None:
+            if self._issuers is not None and stream is self.streams[Direction.H2D] and self._issuers.splits(len(src)):
+                self._issuers.issue(dst, src, lengths, handle)
+                return
             for i in range(0, len(src), BATCH_MAX):
                 self._direct.batch(dst[i:i + BATCH_MAX], src[i:i + BATCH_MAX], lengths[i:i + BATCH_MAX], handle)
             return
@@ -344,6 +354,8 @@ class CudaCopier:
                 self._dma(stage_addrs, hosts, block_bytes, False, CopyMechanism.BATCH, stream)
 
     def close(self) -> None:
+        if self._issuers is not None:
+            self._issuers.close()
         for stream in self.streams.values():
             stream.synchronize()
         if self._words is not None:

@@ -32,6 +32,7 @@ import numpy.typing as npt
 log = logging.getLogger("kvbm.worker")
 
 NOT_READY = 600  # cudaErrorNotReady
+BATCH_MAX = 4096  # copies per cudaMemcpyBatchAsync call (the copiers' cut)
 DISABLE_TIMING = 0x2  # cudaEventDisableTiming
 SRC_ACCESS_ORDER_STREAM = 0x1  # cudaMemcpySrcAccessOrderStream
 PREFER_OVERLAP_WITH_COMPUTE = 0x1  # cudaMemcpyFlagPreferOverlapWithCompute
@@ -126,8 +127,8 @@ class Direct:
         n = np.ascontiguousarray(lengths, dtype=np.uint64)
         args: list[Any] = [d.ctypes.data_as(_VOID_PP), s.ctypes.data_as(_VOID_PP), n.ctypes.data_as(_SIZE_P),
                            len(d), ctypes.byref(self._attr), self._attr_idx, 1]
-        if self.version < 13000:
-            args.append(ctypes.byref(self._fail))
+        if self.version < 13000:  # (a call giving up the lock may run beside another: its own failIdx)
+            args.append(ctypes.byref(ctypes.c_size_t(0) if release else self._fail))
         call = self._batch_free if release else self._batch
         self.check(call(*args, stream), f"cudaMemcpyBatchAsync ({len(d)} copies)")
 

@@ -143,3 +143,38 @@ def test_a_signal_word_is_written_after_the_copies_before_it_without_waiting_for
         torch.cuda.synchronize()
         rt.cudaHostUnregister(addr)
         copier.close()
+
+
+@pytest.mark.parametrize("layout", ["cross", "layers"])
+def test_loads_issued_from_several_threads_land_every_byte_before_their_event(layout):
+    """``issue_threads``: a load's copies split among three threads (:mod:`kvbm_worker.handlers.issuers`)
+    land exactly their bytes, and the event ``copy`` returns fires only after every share landed
+    (the bytes are compared right after it: a share the caller's stream did not wait for would
+    still be copying). Whole blocks and a page range, 36 layers of a per-layer cache: ~9K copies."""
+    n, layers = 128, 36
+    kv = make_kv(layout, 2 * n, layers, heads=8, dim=128)
+    fill_random(kv, seed=11)
+    region = local_region(kv, layout)
+    host = HostPool(SlotGeometry.of(region.block_bytes, n))
+    pinned = PinnedHost(0)
+    try:
+        pinned.pin(host.address, host.buffer.nbytes, chunk=(n // 3) * host.geometry.slot_bytes)
+        copier = CudaCopier(0, pinned, "direct", issue_threads=3, split_min=64)
+        assert copier._direct is not None, "the direct calls failed their check on this GPU"
+        src, dst = np.arange(n), n + np.random.default_rng(3).permutation(n)
+        addrs = host.address + np.arange(n) * host.geometry.slot_bytes
+        copier.copy("d2h", region, src, addrs)
+        fill_random(kv, seed=12)
+        page, half = region.page_bytes, region.num_layers // 2
+        copier.copy("h2d", region, dst, addrs, wait=False, pages=(0, half)).synchronize()
+        for i, d in enumerate(dst.tolist()):
+            now = block_bytes(kv, layout, d).cpu().numpy()
+            assert np.array_equal(now[:half * page], host.slots[i, :half * page]), f"block {d}: pages not landed"
+        copier.copy("h2d", region, dst, addrs, wait=False).synchronize()
+        for i, d in enumerate(dst.tolist()):
+            assert np.array_equal(block_bytes(kv, layout, d).cpu().numpy(), host.slots[i, :region.block_bytes])
+        assert copier._issuers is not None and copier._issuers.splits(n * half)
+        copier.close()
+    finally:
+        pinned.close()
+        host.close()
