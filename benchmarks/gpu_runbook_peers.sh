@@ -129,7 +129,8 @@
 #             presence or its work that makes the lane's issue cost grow with a piece's bytes?)
 #   threads20 the same with --issue-threads 1 and 2, twice in turn (A B A B): a load's copies issued from one
 #             thread or two (vLLM 0.26's V2 runner gives Qwen3 a KV allocation per layer: a copy per page;
-#             2026-11-27 twentieth session)
+#             2026-11-27 twentieth session; THREAD_PASSES="3 4" names further passes)
+#   vs20      20K, eager, 2 passes: LMCache and kvbm layerwise (the worker's defaults) in one run
 # (The nineteenth session's streams20 / gpuload steps, at 825e0ce, tried --load-streams, since removed.)
 # Earlier sessions' runs (other steps, other systems) are recorded in their result files' argv.
 . benchmarks/gpu_runbook_env.sh  # set -u, $R, step, A20, G8
@@ -246,7 +247,8 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
     pieces20) for p in 1 2; do
                 variants pieces_p$p "mb256=--load-piece-mb 256" "mb64=--load-piece-mb 64" "mb32=--load-piece-mb 32"
               done ;;
-    threads20) for p in 1 2; do variants threads_p$p "t1=--issue-threads 1" "t2=--issue-threads 2"; done ;;
+    vs20) peers lmcache,ours_layerwise --passes 2 ;;
+    threads20) for p in ${THREAD_PASSES:-1 2}; do variants threads_p$p "t1=--issue-threads 1" "t2=--issue-threads 2"; done ;;
     beside20) for m in none idle busy none2; do
                 e=""; rm -f "$R/beside.ready" "$R/beside.stop"
                 if [ "${m%2}" != none ]; then
