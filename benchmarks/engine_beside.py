@@ -9,7 +9,8 @@ the same daemon without vLLM issues a 256 MiB piece in ~0.7 ms (``benchmarks/lan
 README). An engine process that only exists beside ``daemon_layer_loads.py`` (``idle``), or one
 that computes (``--busy``: cold prefills of ``--ctx-len`` tokens back to back, vLLM alone without a
 connector), says whether the engine's presence or its work costs the worker (runbook step
-``beside20``).
+``beside20``). Answered in the twentieth session (H100 "o", README): neither does; the cost is one
+copy per page of vLLM 0.26's per-layer KV tensors (``daemon_layer_loads.py --layout per-layer``).
 
 The engine is vLLM's ``LLM`` with the harness's shared settings (``vllm_peers.base_engine_kwargs``:
 eager, dummy weights, ``--g1-gb`` of KV cache). Once it answered one prompt it creates ``--ready``;

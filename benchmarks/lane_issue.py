@@ -1,7 +1,7 @@
 """Where a layer-grouped load's copy lane spends its time, read from the worker's debug log.
 
     python3 benchmarks/lane_issue.py WORKER_LOG [WORKER_LOG ...] [--pages 36] [--piece-mb 256]
-        [--shape front] [--min-blocks 1] [--max-blocks N] [--fit] [--json out.json]
+        [--shape front] [--min-blocks 1] [--max-blocks N] [--fit [--page-kib 64]] [--json out.json]
 
 Each ``job N load: ... pieces (issue began, issued, landed) ...`` line (``kvbm-worker`` at
 ``DYN_LOG=debug``, a load the connector's ``layerwise`` mode ran in layer groups) gives, per
@@ -28,7 +28,11 @@ Per load it reports:
 Summary (per file): medians over the loads with ``--min-blocks`` to ``--max-blocks`` blocks, and
 (``idle_before_piece_ms``) the median idle time before each piece, over the loads cut into the most
 common number of pieces. ``--fit``: one least-squares line through every piece of every file, the
-lane's issue CPU against the piece's bytes: a fixed cost per piece plus bytes at a rate.
+lane's issue CPU against the piece's bytes: a fixed cost per piece plus bytes at a rate, and that
+rate as a cost per page (``--page-kib``, 64 for Qwen3-4B). Where no two pages of a block merge (a KV
+cache allocated per layer, as vLLM 0.26's V2 model runner gives Qwen3: one copy per page; found in
+the twentieth session, 2026-11-27) the bytes count the copies, and ``us_per_page`` is the driver's
+cost per copy; with a cross-layer buffer a piece is one copy per block.
 """
 from __future__ import annotations
 
@@ -121,14 +125,16 @@ def summarize(loads: list[dict]) -> dict:
     return out
 
 
-def fit(pairs: list[tuple[int, float]]) -> dict:
-    """Least squares of the issue CPU (ms) against a piece's bytes: fixed ms a piece + bytes at GB/s."""
+def fit(pairs: list[tuple[int, float]], page_bytes: int = 64 << 10) -> dict:
+    """Least squares of the issue CPU (ms) against a piece's bytes: fixed ms a piece + bytes at GB/s
+    (and that rate as microseconds per ``page_bytes``)."""
     import numpy as np
     x = np.array([b for b, _ in pairs], dtype=float) / 1e6  # MB
     y = np.array([c for _, c in pairs], dtype=float)
     (fixed, ms_per_mb), *_ = np.linalg.lstsq(np.vstack([np.ones_like(x), x]).T, y, rcond=None)
     return {"pieces": len(pairs), "fixed_ms": round(float(fixed), 3),
-            "gbps": round(1.0 / float(ms_per_mb), 1) if ms_per_mb > 0 else None}
+            "gbps": round(1.0 / float(ms_per_mb), 1) if ms_per_mb > 0 else None,
+            "us_per_page": round(float(ms_per_mb) * page_bytes / 1e3, 3)}
 
 
 def main() -> None:
@@ -140,6 +146,7 @@ def main() -> None:
     ap.add_argument("--min-blocks", type=int, default=1, help="only loads of at least this many blocks")
     ap.add_argument("--max-blocks", type=int, default=None, help="only loads of at most this many blocks")
     ap.add_argument("--fit", action="store_true", help="fit the issue CPU against the bytes over every piece")
+    ap.add_argument("--page-kib", type=int, default=64, help="a page's size, for --fit's cost per page [64]")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     pacing = GroupPacing(int(args.piece_mb * (1 << 20)), shape=GroupShape(args.shape))
@@ -153,7 +160,7 @@ def main() -> None:
         print(path, json.dumps(report[str(path)]["summary"]))
     out: dict = {"provenance": provenance(), "args": {k: str(v) for k, v in vars(args).items()}, "files": report}
     if args.fit and pairs:
-        out["issue_fit"] = fit(pairs)
+        out["issue_fit"] = fit(pairs, args.page_kib << 10)
         print("issue_fit", json.dumps(out["issue_fit"]))
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))

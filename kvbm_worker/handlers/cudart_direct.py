@@ -8,8 +8,10 @@ the addresses handed over as the arrays' memory; only ``synchronize`` releases i
 Measured on an H200 beside vLLM (2026-11-26, ``README`` "seventh session"): the lane's CPU time
 issuing an 8K load's pieces 9.4-13.6 ms instead of 19.3-21.1, its first layer group at the engine
 ~4.5 ms sooner. The per-piece CPU time equals its wall time on both paths, so what the lane
-spends is CPU in the call, not waiting for the lock; that the driver call costs ~2.5x more CPU
-beside vLLM than alone is not explained (``benchmarks/ipc_issue_cost.py``).
+spends is CPU in the call, not waiting for the lock. That the call cost ~2.5x more CPU beside vLLM
+than alone is explained (twentieth session, 2026-11-27): vLLM 0.26's V2 runner allocates each layer
+apart, so a block is a copy per layer (36) where the benchmarks' cross-layer cache made it one;
+the driver's cost is per copy (:mod:`.issuers` issues such loads from several threads).
 NOTE: the daemon's event loop cannot run while a piece is issued (up to ~3.5 ms for a 418-copy
 piece beside vLLM); it took a landed group's news 0.1-0.2 ms after the lane there
 (``results/worker_debug_h200_2026-11-26g.txt``).

@@ -76,4 +76,6 @@ def test_the_idle_time_before_each_piece_and_the_fit_of_the_issue_cost() -> None
     assert summary["idle_before_piece_ms"][0] == pytest.approx(4.0, abs=0.1), "the first piece's whole issue"
     pairs = [(n, 0.3 + n / 65e6) for n in (4 << 20, 32 << 20, 128 << 20, 256 << 20)]  # 0.3 ms + bytes at 65 GB/s
     assert lane_issue.fit(pairs) == {"pieces": 4, "fixed_ms": pytest.approx(0.3, abs=1e-3),
-                                     "gbps": pytest.approx(65.0, abs=0.1)}
+                                     "gbps": pytest.approx(65.0, abs=0.1),
+                                     "us_per_page": pytest.approx(65536 / 65e3, abs=1e-3)}  # 64 KiB at 65 GB/s
+    assert lane_issue.fit(pairs, 32 << 10)["us_per_page"] == pytest.approx(32768 / 65e3, abs=1e-3)

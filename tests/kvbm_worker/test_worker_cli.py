@@ -41,3 +41,11 @@ def test_the_pacing_of_layer_grouped_loads_comes_from_the_arguments():
     for bad in (["--load-ahead", "-1"], ["--load-piece-mb", "0"], ["--switch-interval-ms", "0"]):
         with pytest.raises(KvbmConfigError):
             data_path(build_parser().parse_args(bad))
+
+
+def test_issue_threads_come_from_the_arguments_and_are_bounded():
+    assert data_path(build_parser().parse_args(["--cpu"])).issue_threads == 2, "default: the lane and one helper"
+    assert data_path(build_parser().parse_args(["--gpu", "0", "--issue-threads", "1"])).issue_threads == 1
+    for bad in ("0", "9"):
+        with pytest.raises(KvbmConfigError):
+            data_path(build_parser().parse_args(["--gpu", "0", "--issue-threads", bad]))
