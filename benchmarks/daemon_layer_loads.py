@@ -101,7 +101,8 @@ def make_kv(n: int, layout: str) -> list:
     one tensor per layer (``per-layer``, each its own allocation), random bytes."""
     import torch
     if layout == "per-layer":
-        kv = [torch.empty(2 * n + 8, TOKENS, HEADS, 2 * DIM, dtype=torch.bfloat16, device="cuda") for _ in range(LAYERS)]
+        kv = [torch.empty(2 * n + 8, TOKENS, HEADS, 2 * DIM, dtype=torch.bfloat16, device="cuda")
+              for _ in range(LAYERS)]
     else:
         kv = [torch.empty(2 * n + 8, LAYERS, 2, TOKENS, HEADS, DIM, dtype=torch.bfloat16, device="cuda")]
     for t in kv:
@@ -154,7 +155,8 @@ def one_variant(name: str, flags: list[str], kv: list, args: argparse.Namespace,
                 loads.append({"rep": rep, "lookup_ms": round(lookup * 1e3, 2), "landed_ms": landed,
                               "done_ms": round((done - sent) * 1e3, 2), "daemon_lane_ms": round(answer.seconds * 1e3, 2)})
             step = max(1, n // 64)  # (compared as bytes: random bf16 bytes hold NaNs, which never equal)
-            equal = all(bool(torch.equal(t[n:2 * n:step].view(torch.uint8), t[0:n:step].view(torch.uint8))) for t in kv)
+            equal = all(bool(torch.equal(t[n:2 * n:step].view(torch.uint8), t[0:n:step].view(torch.uint8)))
+                        for t in kv)
         finally:
             if channel is not None:
                 channel.close()
