@@ -134,8 +134,8 @@ def one_variant(name: str, flags: list[str], kv: list, args: argparse.Namespace,
             loads = []
             for rep in range(args.reps):
                 time.sleep(args.gap_ms / 1e3)
-                for t in kv:
-                    t[n:2 * n].zero_()
+                for layer in kv:
+                    layer[n:2 * n].zero_()
                 torch.cuda.synchronize()
                 t = time.perf_counter()
                 handle = client.prepare_load(keys)

@@ -14,12 +14,12 @@ Mechanisms (``--cuda-copy``, :class:`CopyMechanism`):
   cuda-python.
 * ``direct``: the batch API called through ``ctypes`` on torch's runtime, keeping the
   interpreter lock, with the pieces' events made the same way (:mod:`.cudart_direct`); used
-  only after a copy through it moved the right bytes at start.
+  only after a copy through it moved the right bytes at start. A load's call of at least
+  ``split_min`` copies is issued from ``issue_threads`` threads at once (:mod:`.issuers`: a KV
+  cache allocated per layer gives a copy per block and layer).
 * ``gather``: pages gathered on the GPU (``index_select``) into a staging buffer, then one DMA
   per contiguous slot run (loads: DMA then ``index_copy_``). Uses SMs briefly; needs every
   layer's offset and stride to be multiples of the page size.
-  A load's call of at least ``split_min`` copies is issued from ``issue_threads`` threads at
-  once (:mod:`.issuers`: a KV cache allocated per layer gives a copy per block and layer).
 * ``auto`` (the default): ``direct`` where it passed that check, else ``batch`` where the CUDA
   runtime has it; else ``runs`` when the runs
   of a batch average at least 256 KiB (or the layout cannot be gathered), else ``gather``.

@@ -9,8 +9,11 @@ Why (2026-11-27, twentieth session, ``benchmarks/issue_threads.py``, ``daemon_la
 two pages of a block are adjacent and a 256 MiB piece of a layer-grouped load is ~4096 copies of
 64 KiB. The driver spends 0.6-1.1 us of CPU on each (a piece 2.5-4.5 ms), about as long as the
 piece's DMA: while the first pieces of a load are issued the copy engine waits (2-8 ms a 20K
-load, before its first layer group lands). Shares issued from two threads at once took 1.25-1.6x
-less time (H200); a cross-layer buffer's pieces (one copy per block) are too short to split.
+load, before its first layer group lands). Two threads issued a 4096-copy piece in 2.5 ms instead
+of 3.6-3.7 (H200; a third gave 2.3); in the harness the copy engine's idle time fell from 6.4 to
+3.8 ms a 20K load and the warm p50 from 86.3 to 82.5 ms (README, twentieth session). A
+cross-layer buffer's pieces (one copy per block) split too once they reach ``min_copies``; their
+issue was never the bottleneck. The helper threads are made on the first split call.
 
 Invariants: a split call returns only once every share is issued (or failed); a share's stream
 first waits for everything enqueued on the caller's stream before the call, and the caller's
