@@ -276,8 +276,7 @@ class CudaCopier:
             if self._issuers is not None and stream is self.streams[Direction.H2D] and self._issuers.splits(len(src)):
                 self._issuers.issue(dst, src, lengths, handle)
                 return
-            for i in range(0, len(src), BATCH_MAX):
-                self._direct.batch(dst[i:i + BATCH_MAX], src[i:i + BATCH_MAX], lengths[i:i + BATCH_MAX], handle)
+            self._direct.batch(dst, src, lengths, handle)
             return
         rt = cudart()
         if mech is CopyMechanism.BATCH and self._batch_ok is not False:

@@ -122,17 +122,20 @@ class Direct:
 
     def batch(self, dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64], lengths: npt.NDArray[np.int64],
               stream: int, release: bool = False) -> None:
-        """``cudaMemcpyBatchAsync`` of ``src[i] -> dst[i]`` (``lengths[i]`` bytes) on ``stream``
-        (``release``: the interpreter lock is given up during the call, so threads issue at once)."""
+        """``cudaMemcpyBatchAsync`` of ``src[i] -> dst[i]`` (``lengths[i]`` bytes) on ``stream``, one
+        call per :data:`BATCH_MAX` copies (``release``: the interpreter lock is given up during each
+        call, so threads issue at once)."""
         d = np.ascontiguousarray(dst, dtype=np.uint64)
         s = np.ascontiguousarray(src, dtype=np.uint64)
         n = np.ascontiguousarray(lengths, dtype=np.uint64)
-        args: list[Any] = [d.ctypes.data_as(_VOID_PP), s.ctypes.data_as(_VOID_PP), n.ctypes.data_as(_SIZE_P),
-                           len(d), ctypes.byref(self._attr), self._attr_idx, 1]
-        if self.version < 13000:  # (a call giving up the lock may run beside another: its own failIdx)
-            args.append(ctypes.byref(ctypes.c_size_t(0) if release else self._fail))
         call = self._batch_free if release else self._batch
-        self.check(call(*args, stream), f"cudaMemcpyBatchAsync ({len(d)} copies)")
+        for i in range(0, len(d), BATCH_MAX):
+            m = min(BATCH_MAX, len(d) - i)
+            args: list[Any] = [d[i:].ctypes.data_as(_VOID_PP), s[i:].ctypes.data_as(_VOID_PP),
+                               n[i:].ctypes.data_as(_SIZE_P), m, ctypes.byref(self._attr), self._attr_idx, 1]
+            if self.version < 13000:  # (a call giving up the lock may run beside another: its own failIdx)
+                args.append(ctypes.byref(ctypes.c_size_t(0) if release else self._fail))
+            self.check(call(*args, stream), f"cudaMemcpyBatchAsync ({m} copies)")
 
     def event(self, timed: bool = False) -> "RawEvent":
         return RawEvent(self, timed)

@@ -31,7 +31,7 @@ from typing import Any, Callable
 import numpy as np
 import numpy.typing as npt
 
-from .cudart_direct import BATCH_MAX, Direct, RawEvent
+from .cudart_direct import Direct, RawEvent
 
 Addrs = npt.NDArray[np.int64]
 ISSUE_THREADS = 2  # default: the lane and one helper
@@ -83,7 +83,7 @@ class Issuers:
             for h, (a, b) in enumerate(zip(cuts[1:-1], cuts[2:]))]
         failure: BaseException | None = None
         try:
-            self._batch(dst[:cuts[1]], src[:cuts[1]], lengths[:cuts[1]], stream)
+            self.direct.batch(dst[:cuts[1]], src[:cuts[1]], lengths[:cuts[1]], stream, release=True)
         except BaseException as exc:  # (every share is still waited for, then this is raised)
             failure = exc
         for future in futures:
@@ -97,15 +97,11 @@ class Issuers:
     def _share(self, helper: int, before: RawEvent, dst: Addrs, src: Addrs, lengths: Addrs) -> RawEvent:
         handle = self._streams[helper].cuda_stream
         self.direct.wait(handle, before)
-        self._batch(dst, src, lengths, handle)
+        self.direct.batch(dst, src, lengths, handle, release=True)
         done = self.direct.event()
         done.record(handle)
         return done
 
-    def _batch(self, dst: Addrs, src: Addrs, lengths: Addrs, stream: int) -> None:
-        for i in range(0, len(src), BATCH_MAX):
-            self.direct.batch(dst[i:i + BATCH_MAX], src[i:i + BATCH_MAX], lengths[i:i + BATCH_MAX], stream,
-                              release=True)
 
     def close(self) -> None:
         if self._pool is not None:

@@ -57,3 +57,24 @@ def test_without_a_gpu_a_batch_raises_a_named_error():
                      np.full(n, 4096, np.int64), 0)
     with pytest.raises(cudart_direct.DirectError, match="cudaEventCreateWithFlags"):
         direct.event()
+
+
+@pytest.mark.parametrize("release", [False, True])
+def test_a_batch_is_cut_into_calls_of_at_most_batch_max_copies_in_order(release):
+    """A stand-in for the foreign call (no CUDA): each call's count and first source address."""
+    direct = cudart_direct.Direct.__new__(cudart_direct.Direct)
+    calls: list[tuple[str, int, int]] = []
+
+    def call(name):
+        def record(dst, src, lengths, count, *rest):
+            calls.append((name, count, ctypes.cast(src, ctypes.POINTER(ctypes.c_uint64))[0]))
+            return 0
+        return record
+    direct._batch, direct._batch_free = call("held"), call("free")
+    direct.version, direct._attr = 13000, cudart_direct.MemcpyAttributes()
+    direct._attr_idx = (ctypes.c_size_t * 1)(0)
+    n, cap = 2 * cudart_direct.BATCH_MAX + 7, cudart_direct.BATCH_MAX
+    src = np.arange(n, dtype=np.int64) * 16
+    direct.batch(src + 1, src, np.full(n, 16, np.int64), 0, release=release)
+    name = "free" if release else "held"
+    assert calls == [(name, cap, 0), (name, cap, cap * 16), (name, 7, 2 * cap * 16)]
