@@ -3,7 +3,7 @@ inside the worker daemon, or only beside vLLM?
 
     python3 benchmarks/daemon_layer_loads.py [--blocks 1258] [--groups 6] [--reps 12] [--gap-ms 150]
         [--busy] [--hog N] [--variant NAME=WORKER_FLAGS ...] [--passes 2] [--g2-gb 12]
-        [--layout cross-layer|per-layer] [--json out.json]
+        [--layout cross-layer|per-layer] [--stores-beside] [--json out.json]
 
 This process plays the engine: a vLLM-like cross-layer KV cache on the GPU ([blocks, 36 layers, 2,
 16 tokens, 8 heads, 128] bf16, Qwen3-4B's shape: 2.25 MiB blocks) exported through CUDA IPC to a
@@ -16,6 +16,10 @@ where the cross-layer buffer's merge into one. It stores ``--blocks`` blocks, th
 groups (the connector's ``layerwise`` load), ``--gap-ms`` apart (the GPU idle in between, as between
 requests). ``--busy``: a bf16 matmul loop runs on this process's GPU context during every load (the
 engine's forward beside the copy: the daemon's copies and the engine's kernels are two contexts).
+``--stores-beside``: each load starts ``--store-lead-ms`` after a store of ``--blocks`` fresh keys
+from the source blocks (a cold request offloading while a warm one loads: the two copy lanes of one
+worker; the store's time is recorded too). Use ``--g2-gb`` above (reps + 1) x the blocks' bytes so
+that no stored block is evicted.
 
 Per load it records, from this side, when each group's pages were reported landed (ms after the
 ``TransferLayers`` call was sent) and, from the worker's debug line, each piece's issue began / issued
@@ -96,6 +100,13 @@ def daemon_rows(log: Path) -> list[dict]:
     return job_rows(log.read_text(errors="replace"))
 
 
+def timed_store(client: KvbmClient, keys: list[bytes], blocks: list[int]) -> float:
+    """Offload ``blocks`` under ``keys`` and wait for it: ms."""
+    t = time.perf_counter()
+    client.wait(client.offload(keys, blocks))
+    return round((time.perf_counter() - t) * 1e3, 2)
+
+
 def make_kv(n: int, layout: str) -> list:
     """The engine's KV cache for ``n`` blocks (and ``n`` more to load into): one cross-layer tensor, or
     one tensor per layer (``per-layer``, each its own allocation), random bytes."""
@@ -121,6 +132,7 @@ def one_variant(name: str, flags: list[str], kv: list, args: argparse.Namespace,
         node.start(timeout=300.0)
         client = KvbmClient(node.config(), timeout=60)
         readers = ThreadPoolExecutor(4)
+        storer = ThreadPoolExecutor(1) if args.stores_beside else None
         channel = None
         try:
             region_id = client.register_region("0", export_kv_cache(kv if len(kv) > 1 else kv[0], block_dim=0))
@@ -137,6 +149,10 @@ def one_variant(name: str, flags: list[str], kv: list, args: argparse.Namespace,
                 for layer in kv:
                     layer[n:2 * n].zero_()
                 torch.cuda.synchronize()
+                store = None
+                if storer is not None:
+                    store = storer.submit(timed_store, client, [os.urandom(16) for _ in range(n)], src)
+                    time.sleep(args.store_lead_ms / 1e3)
                 t = time.perf_counter()
                 handle = client.prepare_load(keys)
                 lookup = time.perf_counter() - t
@@ -153,7 +169,9 @@ def one_variant(name: str, flags: list[str], kv: list, args: argparse.Namespace,
                     busy.on.clear()
                 landed = [round((t - sent) * 1e3, 2) for t, _ in call.landings]
                 loads.append({"rep": rep, "lookup_ms": round(lookup * 1e3, 2), "landed_ms": landed,
-                              "done_ms": round((done - sent) * 1e3, 2), "daemon_lane_ms": round(answer.seconds * 1e3, 2)})
+                              "done_ms": round((done - sent) * 1e3, 2),
+                              "daemon_lane_ms": round(answer.seconds * 1e3, 2),
+                              "store_ms": None if store is None else store.result(120)})
             step = max(1, n // 64)  # (compared as bytes: random bf16 bytes hold NaNs, which never equal)
             equal = all(bool(torch.equal(t[n:2 * n:step].view(torch.uint8), t[0:n:step].view(torch.uint8)))
                         for t in kv)
@@ -161,6 +179,8 @@ def one_variant(name: str, flags: list[str], kv: list, args: argparse.Namespace,
             if channel is not None:
                 channel.close()
             readers.shutdown()
+            if storer is not None:
+                storer.shutdown()
             client.close()
             node.stop(30.0)
         rows = daemon_rows(root / "worker-0.log")
@@ -171,6 +191,7 @@ def one_variant(name: str, flags: list[str], kv: list, args: argparse.Namespace,
         "first_group_ms": med([x["landed_ms"][0] for x in warm if x["landed_ms"]]),
         "last_group_ms": med([x["landed_ms"][-1] for x in warm if x["landed_ms"]]),
         "done_ms": med([x["done_ms"] for x in warm]),
+        "store_ms": med([x["store_ms"] for x in warm if x["store_ms"] is not None]),
         "lane_ms": med([j["lane_ms"] for j in jobs]),
         "lane_first_group_ms": med([j["groups_lane"][0] for j in jobs if j["groups_lane"]]),
         "gpu_first_piece_ms": med([j["gpu_landed"][0] for j in jobs if j["gpu_landed"]]),
@@ -200,6 +221,9 @@ def main() -> None:
     ap.add_argument("--layout", choices=sorted(PAGES), default="cross-layer",
                     help="the engine's KV cache: one cross-layer tensor (vLLM's V1 runner with a connector that "
                          "prefers it) or one allocation per layer (the V2 runner, vLLM 0.26's default for Qwen3)")
+    ap.add_argument("--stores-beside", action="store_true",
+                    help="each load starts --store-lead-ms after a store of --blocks fresh keys begins")
+    ap.add_argument("--store-lead-ms", type=float, default=5.0)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     hogs = Hogs(args.hog)
@@ -226,8 +250,8 @@ def main() -> None:
     for name, _ in variants:
         mine = [r for r in results if r["variant"] == name]
         summary[name] = {k: med([r[k] for r in mine if r[k] is not None])
-                         for k in ("first_group_ms", "last_group_ms", "done_ms", "lane_ms", "lane_first_group_ms",
-                                   "gpu_first_piece_ms", "gpu_last_piece_ms", "first_issue_began_ms",
+                         for k in ("first_group_ms", "last_group_ms", "done_ms", "store_ms", "lane_ms",
+                                   "lane_first_group_ms", "gpu_first_piece_ms", "gpu_last_piece_ms", "first_issue_began_ms",
                                    "issue_ms_median", "issue_cpu_ms_median")}
         summary[name]["per_pass_last_group_ms"] = [r["last_group_ms"] for r in mine]
         summary[name]["bytes_equal"] = all(r["bytes_equal"] for r in mine)

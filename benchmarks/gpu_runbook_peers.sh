@@ -131,6 +131,17 @@
 #             thread or two (vLLM 0.26's V2 runner gives Qwen3 a KV allocation per layer: a copy per page;
 #             2026-11-27 twentieth session; THREAD_PASSES="3 4" names further passes)
 #   vs20      20K, eager, 2 passes: LMCache and kvbm layerwise (the worker's defaults) in one run
+#   runner20  20K, eager, 2 passes: LMCache and kvbm layerwise under vLLM 0.26's defaults (V2 model runner,
+#             async scheduling: a KV allocation per layer) and under its V1 runner one step at a time
+#             (lmcache_v1, ours_layerwise_v1: the cross-layer buffer kvbm asks for, a copy per block)
+#             in one run (2026-11-27 twenty-first session); greedyv1g: the greedy check (CUDA graphs)
+#             of ours_layerwise_v1 against vLLM alone under the V1 runner (baseline_v1)
+#   split20   20K, eager, kvbm layerwise alone: --issue-split-copies 512 (the default) and 256, in turn,
+#             SPLIT_PASSES passes (default "1 2"): is a load's first piece (~506 copies) worth splitting?
+#   storegil  daemon_layer_loads.py --layout per-layer --stores-beside (each 20K load beside a 20K store
+#             on the same worker): this tree (a store's copy calls give up the interpreter lock) against
+#             a copy of it in /tmp/kvhold with that one call reverted to holding it, alternating, 2 passes;
+#             then this tree without stores
 # (The nineteenth session's streams20 / gpuload steps, at 825e0ce, tried --load-streams, since removed.)
 # Earlier sessions' runs (other steps, other systems) are recorded in their result files' argv.
 . benchmarks/gpu_runbook_env.sh  # set -u, $R, step, A20, G8
@@ -248,6 +259,21 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
                 variants pieces_p$p "mb256=--load-piece-mb 256" "mb64=--load-piece-mb 64" "mb32=--load-piece-mb 32"
               done ;;
     vs20) peers lmcache,ours_layerwise --passes 2 ;;
+    runner20) peers lmcache,lmcache_v1,ours_layerwise,ours_layerwise_v1 --passes 2 ;;
+    greedyv1g) $T "$R/greedy8_v1_graphs.jsonl" baseline_v1,ours_layerwise_v1 $G8 --cuda-graphs --timeout 600 \
+                 >"$R/$s.log" 2>&1
+               python3 benchmarks/greedy_check.py "$R/greedy8_v1_graphs.jsonl" --reference baseline_v1 >>"$R/$s.log" 2>&1 ;;
+    split20) for p in ${SPLIT_PASSES:-1 2}; do
+               variants split_p$p "s512=--issue-split-copies 512" "s256=--issue-split-copies 256"; done ;;
+    storegil) C=kvbm_worker/handlers/cuda_copier.py; rm -rf /tmp/kvhold; cp -a . /tmp/kvhold
+              sed -i 's/release=stream is self.streams\[Direction.D2H\])/release=False)/' /tmp/kvhold/$C
+              if cmp -s $C /tmp/kvhold/$C; then echo "storegil: the revert did not apply" >"$R/$s.log"; false
+              else for p in 1 2; do for v in hold release; do D=.; [ $v = hold ] && D=/tmp/kvhold
+                (cd $D && PYTHONPATH=$PWD:/tmp/site:$PWD/.site python3 benchmarks/daemon_layer_loads.py --layout per-layer --blocks 1258 --reps 6 \
+                  --passes 1 --g2-gb 24 --stores-beside --json "$R/storegil_${v}_p$p.json") >>"$R/$s.log" 2>&1
+                step "storegil $v p$p done"; done; done
+              python3 benchmarks/daemon_layer_loads.py --layout per-layer --blocks 1258 --reps 6 --passes 1 \
+                --g2-gb 24 --json "$R/storegil_none.json" >>"$R/$s.log" 2>&1; fi ;;
     threads20) for p in ${THREAD_PASSES:-1 2}; do variants threads_p$p "t1=--issue-threads 1" "t2=--issue-threads 2"; done ;;
     beside20) for m in none idle busy none2; do
                 e=""; rm -f "$R/beside.ready" "$R/beside.stop"

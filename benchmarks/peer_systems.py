@@ -47,13 +47,28 @@ OURS = {"ours": {}, "ours_sync": {"load_mode": "sync"}, "ours_async": {"load_mod
         "ours_layerwise_nostore": {"load_mode": "layerwise", "store_blocks": False},
         "ours_layerwise_delayfree": {"load_mode": "layerwise", "hold_stored_blocks": False},
         "ours_layerwise_afterfirst": {"load_mode": "layerwise", "gpu_layer_waits": "after_first"}}
-SYSTEMS = ("recompute", "baseline", "null", "native", "lmcache", "lmcache_timed", "dynamo", *OURS)
+#: a system's name ending in this runs it under vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0)
+#: one step at a time (async_scheduling False: where the V1 runner recomputes a failed same-step load
+#: correctly; under async scheduling it killed the engine, compat.default_load_mode). vLLM 0.26 runs
+#: Qwen3 on its V2 runner, which ignores the connector's prefer_cross_layer_blocks (a KV allocation
+#: per layer: a copy per page); the V1 runner allocates one cross-layer buffer (2026-11-27,
+#: twenty-first session: lmcache_v1, ours_layerwise_v1, baseline_v1)
+V1 = "_v1"
+BASE_SYSTEMS = ("recompute", "baseline", "null", "native", "lmcache", "lmcache_timed", "dynamo", *OURS)
+SYSTEMS = (*BASE_SYSTEMS, *(n + V1 for n in BASE_SYSTEMS))
+
+
+def base_system(name):
+    """The system ``name`` runs (``lmcache_v1`` -> ``lmcache``)."""
+    return name[:-len(V1)] if name.endswith(V1) else name
 
 
 def system_kwargs(name, g2_gb, pass_index=0):
     """Engine kwargs and env for one system, in pass ``pass_index``."""
-    env = {}
-    kw = {}
+    v1 = name.endswith(V1)
+    env = {"VLLM_USE_V2_MODEL_RUNNER": "0"} if v1 else {}
+    kw = {"async_scheduling": False} if v1 else {}
+    full, name = name, base_system(name)
     if name == "recompute":
         kw["enable_prefix_caching"] = False
     elif name == "baseline":
@@ -82,14 +97,14 @@ def system_kwargs(name, g2_gb, pass_index=0):
         # ours: the connector's defaults (load_mode auto: async under vLLM's V2 runner or async
         # scheduling); the others: the same with the settings of OURS[name]
         kw["kv_transfer_config"] = json.loads(os.environ["OURS_KTC"])
-        if name != "ours":
+        if full != "ours":
             # its own key namespace: the same service, but none of the "ours" run's blocks
-            kw["kv_transfer_config"].setdefault("kv_connector_extra_config", {}).update(OURS[name], namespace=name)
+            kw["kv_transfer_config"].setdefault("kv_connector_extra_config", {}).update(OURS[name], namespace=full)
         if pass_index > 0:
             # the kvbm service outlives the passes: a namespace per pass, so that every pass starts
             # without the blocks of the one before, like the peers' in-process caches
             extra = kw["kv_transfer_config"].setdefault("kv_connector_extra_config", {})
-            extra["namespace"] = f"{extra.get('namespace') or name}_pass{pass_index}"
+            extra["namespace"] = f"{extra.get('namespace') or full}_pass{pass_index}"
         env.update(DYN_KVBM_CPU_CACHE_GB=str(g2_gb))
         # KVBM_EAGER=1 starts kvbm's engines with eager module loading (gpu_layer_waits "eager"
         # puts the layer waits on the GPU only then; ours_layerwise_gpuwait does under lazy

@@ -53,6 +53,7 @@ import statistics
 from typing import Callable, Iterator
 
 from peer_passes import slots, summarize, summary_line
+from peer_systems import base_system
 
 #: systems that are no peer to beat: vLLM alone, vLLM recomputing, vLLM with a connector that does nothing
 NOT_PEERS = ("baseline", "recompute", "null")
@@ -168,7 +169,7 @@ def table(runs: list[dict]) -> None:
     several = any(len(s["passes"]) > 1 for s in sums)
     print(f"{'system':<11} {'p50 ms':>7} {'p90 ms':>7} {'from cache':>10}  ratio to the best peer"
           + ("  (medians over the passes)" if several else ""))
-    peers = [s for s in sums if s["system"] not in NOT_PEERS and not s["system"].startswith("ours")]
+    peers = [s for s in sums if base_system(s["system"]) not in NOT_PEERS and not s["system"].startswith("ours")]
     best = min((s["warm_ttft_p50_median"] for s in peers if s["warm_ttft_p50_median"] is not None), default=None)
     for s in sums:
         if s["warm_ttft_p50_median"] is None:
@@ -217,7 +218,7 @@ def main() -> None:
     table(runs)
     events = [json.loads(line) for line in open(args.trace)]
     names = args.systems.split(",") if args.systems is not None else \
-        list(dict.fromkeys(r["slot"] for r in runs if r["slot"].startswith("ours") or r["slot"] in TRACED_PEERS))
+        list(dict.fromkeys(r["slot"] for r in runs if r["slot"].startswith("ours") or base_system(r["slot"]) in TRACED_PEERS))
     for name in names:
         parts: list[dict] = []
         mine = [r for r in runs if r["slot"] == name and "rows" in r]

@@ -29,7 +29,7 @@ kv-transfer-config JSON that the README documents.
 import argparse, json, os, statistics, subprocess, sys, time
 
 from peer_passes import run_passes, summarize, summary_line
-from peer_systems import LAYER_HOOKS, SYSTEMS, system_kwargs
+from peer_systems import LAYER_HOOKS, SYSTEMS, base_system, system_kwargs
 
 QWEN3_4B = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 2560,
@@ -65,7 +65,7 @@ def base_engine_kwargs(args):
     base = dict(model=args.model, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
                 max_model_len=args.max_len, enforce_eager=not args.cuda_graphs, seed=0, max_num_seqs=8,
                 kv_cache_memory_bytes=int(args.g1_gb * (1 << 30)))
-    if args.cuda_graphs and args.system in LAYER_HOOKS:
+    if args.cuda_graphs and base_system(args.system) in LAYER_HOOKS:
         base["compilation_config"] = {"cudagraph_mode": "PIECEWISE"}
     if args.hit_sources:
         base["disable_log_stats"] = False  # vLLM's counters, read after every request (hit_counters)
@@ -102,7 +102,8 @@ def engine(args):
     llm = None
     if native is not None:  # prefer the documented engine flags, fall back to the connector config
         try:
-            llm = LLM(**base, kv_offloading_size=native, kv_offloading_backend="native")
+            rest = {k: v for k, v in kw.items() if k != "kv_transfer_config"}  # (native_v1: async_scheduling)
+            llm = LLM(**base, **rest, kv_offloading_size=native, kv_offloading_backend="native")
             how = "kv_offloading_size"
         except TypeError as e:
             print(json.dumps({"note": f"kv_offloading_size unsupported: {e}"}), flush=True)

@@ -31,7 +31,7 @@ from .grouping import GroupPacing
 from .handlers.cuda_copier import CopyMechanism
 from .handlers.disk import open_disk_io
 from .handlers.disk_guard import TimedDiskIO
-from .handlers.issuers import ISSUE_THREADS
+from .handlers.issuers import ISSUE_THREADS, SPLIT_MIN_COPIES
 from .lanes import Lanes
 from .mover import BlockMover
 from .pools import DiskPool, HostPool, PersistAs, SlotGeometry
@@ -48,6 +48,7 @@ class DataPath:
     prefer_nixl: bool = True  # G3 through NIXL's POSIX backend when it loads
     pacing: GroupPacing = GroupPacing()  # how layer-grouped loads are cut and queued
     issue_threads: int = ISSUE_THREADS  # threads issuing one load's long copy lists at once (GPU)
+    issue_split_copies: int = SPLIT_MIN_COPIES  # the shortest copy list they split
 
 
 @dataclass
@@ -206,7 +207,7 @@ class PoolAllocator:
         return CudaMover(host, disk, disk_io, host_checksums=checksums, pacing=self.path.pacing,
                          device=self.path.gpu,
                          mechanism=self.path.cuda_copy, progress=progress.second_half, deadline=progress.deadline,
-                         issue_threads=self.path.issue_threads)
+                         issue_threads=self.path.issue_threads, split_min=self.path.issue_split_copies)
 
     @property
     def disk_index(self) -> str:

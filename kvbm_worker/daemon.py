@@ -37,7 +37,7 @@ from .allocation import DataPath
 from .cluster import WorkerCluster
 from .grouping import GROUP_DEPTH, PIECE_BYTES, GroupPacing, GroupShape
 from .handlers.cuda_copier import CopyMechanism
-from .handlers.issuers import ISSUE_THREADS, MAX_ISSUE_THREADS, SPLIT_MIN_COPIES
+from .handlers.issuers import ISSUE_THREADS, MAX_ISSUE_THREADS, MAX_SPLIT_MIN_COPIES, SPLIT_MIN_COPIES
 from .leader_link import LeaderLink
 from .service import WorkerService
 
@@ -179,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "copy on CUDA streams (needs torch with CUDA and cuda-python)")
     parser.add_argument("--cuda-copy", default=CopyMechanism.AUTO.value, choices=[m.value for m in CopyMechanism],
                         help="G1<->G2 copy mechanism with --gpu [default auto: direct, i.e. cudaMemcpyBatchAsync "
-                             "called through ctypes on torch's CUDA runtime with the interpreter lock held, once a "
+                             "called through ctypes on torch's CUDA runtime (loads hold the interpreter lock, stores give it up), once a "
                              "check copy at start moved the right bytes; else batch (the same API through "
                              "cuda-python) where the CUDA runtime has it (>= 12.8); else one DMA per contiguous run "
                              "when runs average >= 256 KiB, else a GPU gather into staging + DMA]")
@@ -201,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
                              f"{SPLIT_MIN_COPIES} (a KV cache allocated per layer, as vLLM's V2 model runner does, "
                              "gives a copy per block and layer; one cross-layer buffer a copy per block); 1: the "
                              f"copy lane alone [default {ISSUE_THREADS}]")
+    parser.add_argument("--issue-split-copies", type=int, default=SPLIT_MIN_COPIES, metavar="N",
+                        help="with --issue-threads above 1: the fewest copies in one call that are split among "
+                             f"the threads (a shorter call is issued by the copy lane alone) [default {SPLIT_MIN_COPIES}]")
     parser.add_argument("--switch-interval-ms", type=float, default=SWITCH_INTERVAL_MS, metavar="MS",
                         help="Python's thread switch interval in this daemon: at most how long a copy lane waits "
                              "for the interpreter lock while another thread holds it (Python's own default is 5; "
@@ -219,11 +222,13 @@ def data_path(args: argparse.Namespace) -> DataPath:
         raise KvbmConfigError(f"--load-piece-mb must be in (0, {1 << 20}] and --load-ahead >= 0")
     if not 1 <= args.issue_threads <= MAX_ISSUE_THREADS:
         raise KvbmConfigError(f"--issue-threads must be in [1, {MAX_ISSUE_THREADS}]")
+    if not args.issue_threads <= args.issue_split_copies <= MAX_SPLIT_MIN_COPIES:
+        raise KvbmConfigError(f"--issue-split-copies must be in [--issue-threads, {MAX_SPLIT_MIN_COPIES}]")
     if not 0 < args.switch_interval_ms <= 1000:
         raise KvbmConfigError("--switch-interval-ms must be in (0, 1000]")
     pacing = GroupPacing(int(args.load_piece_mb * (1 << 20)), args.load_ahead, GroupShape(args.load_group_shape))
     return DataPath(gpu=args.gpu, cuda_copy=mechanism, prefer_nixl=not args.no_nixl, pacing=pacing,
-                    issue_threads=args.issue_threads)
+                    issue_threads=args.issue_threads, issue_split_copies=args.issue_split_copies)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,6 +31,7 @@ from ..pools import DiskPool, HostPool
 from ..regions import EngineRegion, Peer, RegionError
 from .cuda_copier import MECHANISMS as MECHANISMS
 from .cuda_copier import CopyMechanism, CudaCopier as CudaCopier, Direction
+from .issuers import SPLIT_MIN_COPIES
 from .pinned import PIN_CHUNK, PinnedHost
 
 log = logging.getLogger("kvbm.worker")
@@ -83,7 +84,8 @@ class CudaMover(BlockMover):
     def __init__(self, host: HostPool | None, disk: DiskPool | None, disk_io: TimedDiskIO | None, *,
                  host_checksums: bool = False, pacing: GroupPacing = GroupPacing(), device: int,
                  mechanism: CopyMechanism = CopyMechanism.AUTO, progress: Callable[[float], None] | None = None,
-                 deadline: float | None = None, issue_threads: int = 1) -> None:
+                 deadline: float | None = None, issue_threads: int = 1,
+                 split_min: int = SPLIT_MIN_COPIES) -> None:
         super().__init__(host, disk, disk_io, host_checksums=host_checksums, pacing=pacing)
         self.device = device
         self.pinned = PinnedHost(device)
@@ -93,7 +95,7 @@ class CudaMover(BlockMover):
                 self.pinned.pin(host.address, host.buffer.nbytes, chunk, progress, deadline)
             for buf in self.bounce.values():
                 self.pinned.pin(buf.slots.ctypes.data, buf.slots.nbytes)
-            self.copier = CudaCopier(device, self.pinned, mechanism, issue_threads=issue_threads)
+            self.copier = CudaCopier(device, self.pinned, mechanism, issue_threads=issue_threads, split_min=split_min)
         except BaseException:
             self.pinned.close()
             super().close()

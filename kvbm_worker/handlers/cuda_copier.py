@@ -12,11 +12,12 @@ Mechanisms (``--cuda-copy``, :class:`CopyMechanism`):
   are merged first, so a vLLM cross-layer cache moves in >= 2 MiB DMAs.
 * ``batch``: the same runs in one ``cudaMemcpyBatchAsync`` call per 4096 (CUDA >= 12.8), through
   cuda-python.
-* ``direct``: the batch API called through ``ctypes`` on torch's runtime, keeping the
-  interpreter lock, with the pieces' events made the same way (:mod:`.cudart_direct`); used
-  only after a copy through it moved the right bytes at start. A load's call of at least
-  ``split_min`` copies is issued from ``issue_threads`` threads at once (:mod:`.issuers`: a KV
-  cache allocated per layer gives a copy per block and layer).
+* ``direct``: the batch API called through ``ctypes`` on torch's runtime, with the pieces' events
+  made the same way (:mod:`.cudart_direct`); used only after a copy through it moved the right
+  bytes at start. A load's call keeps the interpreter lock, unless it has at least ``split_min``
+  copies: then it is issued from ``issue_threads`` threads at once, each giving up the lock
+  (:mod:`.issuers`: a KV cache allocated per layer gives a copy per block and layer). A store's
+  call gives up the lock, so a long store never holds up the load lane.
 * ``gather``: pages gathered on the GPU (``index_select``) into a staging buffer, then one DMA
   per contiguous slot run (loads: DMA then ``index_copy_``). Uses SMs briefly; needs every
   layer's offset and stride to be multiples of the page size.
@@ -276,7 +277,9 @@ class CudaCopier:
             if self._issuers is not None and stream is self.streams[Direction.H2D] and self._issuers.splits(len(src)):
                 self._issuers.issue(dst, src, lengths, handle)
                 return
-            self._direct.batch(dst, src, lengths, handle)
+            # a store's call gives up the interpreter lock: a per-layer cache's cold 20K store is ~45K
+            # copies, ~1 us of driver CPU each, which would otherwise hold up the load lane and the loop
+            self._direct.batch(dst, src, lengths, handle, release=stream is self.streams[Direction.D2H])
             return
         rt = cudart()
         if mech is CopyMechanism.BATCH and self._batch_ok is not False:

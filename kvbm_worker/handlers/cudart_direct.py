@@ -1,5 +1,7 @@
-"""The copy lane's CUDA runtime calls made straight through ``ctypes``, without giving up the
-interpreter lock: ``cudaMemcpyBatchAsync`` over numpy arrays, and the events that mark a piece.
+"""The copy lane's CUDA runtime calls made straight through ``ctypes``: ``cudaMemcpyBatchAsync``
+over numpy arrays, and the events that mark a piece. A load's call keeps the interpreter lock; a
+store's, and each share of a load split among threads (:mod:`.issuers`), gives it up
+(``batch(release=True)``: a store must not hold up the load lane, 2026-11-27 twenty-first session).
 
 Why: cuda-python's binding builds a Python object per copy and releases the lock around every
 call (as torch's event record does), so a piece cost the lane several lock hand-offs and ~1 µs
@@ -223,5 +225,5 @@ def checked(device: int) -> Direct | None:
         log.warning("a copy through the direct CUDA calls (%s) moved the wrong bytes; copies are issued through "
                     "cuda-python", direct.path)
         return None
-    log.debug("copies issued through %s (runtime %d), the interpreter lock held", direct.path, direct.version)
+    log.debug("copies issued through %s (runtime %d)", direct.path, direct.version)
     return direct

@@ -37,6 +37,7 @@ Addrs = npt.NDArray[np.int64]
 ISSUE_THREADS = 2  # default: the lane and one helper
 MAX_ISSUE_THREADS = 8
 SPLIT_MIN_COPIES = 512  # a call with fewer copies is issued by the caller alone
+MAX_SPLIT_MIN_COPIES = 1 << 20
 
 
 def _bind(device: int) -> None:

@@ -94,6 +94,26 @@ def test_kvbm_gets_a_fresh_namespace_in_every_later_pass(monkeypatch):
     assert extra("ours", 1) == {"namespace": "mine_pass1", "load_mode": "sync"}
 
 
+def test_a_v1_system_runs_its_base_system_under_vllms_v1_model_runner_one_step_at_a_time(monkeypatch):
+    monkeypatch.setenv("OURS_KTC", OURS_KTC)
+    for base in ("lmcache", "baseline", "ours_layerwise", "dynamo"):
+        kw, env = vllm_peers.system_kwargs(base, 24.0)
+        kw1, env1 = vllm_peers.system_kwargs(base + "_v1", 24.0)
+        assert env1 == {**env, "VLLM_USE_V2_MODEL_RUNNER": "0"} and "VLLM_USE_V2_MODEL_RUNNER" not in env
+        assert kw1.pop("async_scheduling") is False and "async_scheduling" not in kw
+        if not base.startswith("ours"):
+            assert kw1 == kw
+    # kvbm's V1 variant keeps its base's settings in a key namespace of its own
+    assert extra("ours_layerwise_v1", 0) == {"load_mode": "layerwise", "namespace": "ours_layerwise_v1"}
+    assert extra("ours_layerwise_v1", 1)["namespace"] == "ours_layerwise_v1_pass1"
+    assert extra("ours_v1", 0) == {"namespace": "ours_v1"}
+    graphs = vllm_peers.base_engine_kwargs(vllm_peers.parse_args(["--engine", "--system", "dynamo_v1", "--cuda-graphs"]))
+    assert graphs["compilation_config"] == {"cudagraph_mode": "PIECEWISE"}
+    assert vllm_peers.parse_args(["--systems", "lmcache_v1,ours_layerwise_v1"]).systems == "lmcache_v1,ours_layerwise_v1"
+    with pytest.raises(SystemExit):
+        vllm_peers.parse_args(["--systems", "lmcache_v1_v1"])
+
+
 class FakeRunner:
     """Stands in for the engine processes: fixed result lines, warm p50 per (system, pass)."""
 

@@ -12,7 +12,7 @@ if cuda_ready():
 import torch  # noqa: E402
 
 from gpu_kv import block_bytes, fill_random, local_region, make_kv  # noqa: E402
-from kvbm_worker.handlers.cuda import CudaCopier  # noqa: E402
+from kvbm_worker.handlers.cuda import CudaCopier, Direction  # noqa: E402
 from kvbm_worker.handlers.pinned import PinnedHost  # noqa: E402
 from kvbm_worker.pools import HostPool, SlotGeometry  # noqa: E402
 
@@ -174,6 +174,45 @@ def test_loads_issued_from_several_threads_land_every_byte_before_their_event(la
         for i, d in enumerate(dst.tolist()):
             assert np.array_equal(block_bytes(kv, layout, d).cpu().numpy(), host.slots[i, :region.block_bytes])
         assert copier._issuers is not None and copier._issuers.splits(n * half)
+        copier.close()
+    finally:
+        pinned.close()
+        host.close()
+
+
+def test_stores_give_up_the_interpreter_lock_and_short_loads_keep_it():
+    """A store's direct call releases the interpreter lock (a per-layer cache's store is thousands of
+    copies: the load lane and the event loop run meanwhile); a load under the split threshold keeps
+    it. The bytes still land (compared after each copy's event)."""
+    n, layers = 32, 36
+    kv = make_kv("layers", 2 * n, layers, heads=8, dim=128)
+    fill_random(kv, seed=21)
+    region = local_region(kv, "layers")
+    host = HostPool(SlotGeometry.of(region.block_bytes, n))
+    pinned = PinnedHost(0)
+    try:
+        pinned.pin(host.address, host.buffer.nbytes)
+        copier = CudaCopier(0, pinned, "direct", issue_threads=2, split_min=1 << 20)
+        assert copier._direct is not None, "the direct calls failed their check on this GPU"
+        calls: list[tuple[int, bool]] = []
+        batch = copier._direct.batch
+
+        def spy(dst, src, lengths, stream, release=False):
+            calls.append((stream, release))
+            batch(dst, src, lengths, stream, release=release)
+
+        copier._direct.batch = spy  # type: ignore[method-assign]
+        src, dst = np.arange(n), n + np.arange(n)[::-1].copy()
+        addrs = host.address + np.arange(n) * host.geometry.slot_bytes
+        copier.copy("d2h", region, src, addrs)
+        stores = [r for st, r in calls if st == copier.streams[Direction.D2H].cuda_stream]
+        assert stores and all(stores), calls
+        calls.clear()
+        copier.copy("h2d", region, dst, addrs, wait=False).synchronize()
+        loads = [r for st, r in calls if st == copier.streams[Direction.H2D].cuda_stream]
+        assert loads and not any(loads), calls
+        for i, d in enumerate(dst.tolist()):
+            assert np.array_equal(block_bytes(kv, "layers", d).cpu().numpy(), host.slots[i, :region.block_bytes])
         copier.close()
     finally:
         pinned.close()

@@ -49,3 +49,13 @@ def test_issue_threads_come_from_the_arguments_and_are_bounded():
     for bad in ("0", "9"):
         with pytest.raises(KvbmConfigError):
             data_path(build_parser().parse_args(["--gpu", "0", "--issue-threads", bad]))
+
+
+def test_the_split_threshold_comes_from_the_arguments_and_is_bounded():
+    assert data_path(build_parser().parse_args(["--cpu"])).issue_split_copies == 512
+    path = data_path(build_parser().parse_args(["--gpu", "0", "--issue-split-copies", "256"]))
+    assert path.issue_split_copies == 256 and path.issue_threads == 2
+    for bad in (["--issue-split-copies", "1"], ["--issue-threads", "4", "--issue-split-copies", "3"],
+                ["--issue-split-copies", str((1 << 20) + 1)]):
+        with pytest.raises(KvbmConfigError, match="--issue-split-copies"):
+            data_path(build_parser().parse_args(["--gpu", "0", *bad]))
