@@ -32,6 +32,7 @@ from .handlers.cuda_copier import CopyMechanism
 from .handlers.disk import open_disk_io
 from .handlers.disk_guard import TimedDiskIO
 from .handlers.issuers import ISSUE_THREADS, SPLIT_MIN_COPIES
+from .loads_first import STORE_YIELD_MS
 from .lanes import Lanes
 from .mover import BlockMover
 from .pools import DiskPool, HostPool, PersistAs, SlotGeometry
@@ -49,6 +50,7 @@ class DataPath:
     pacing: GroupPacing = GroupPacing()  # how layer-grouped loads are cut and queued
     issue_threads: int = ISSUE_THREADS  # threads issuing one load's long copy lists at once (GPU)
     issue_split_copies: int = SPLIT_MIN_COPIES  # the shortest copy list they split
+    store_yield_ms: float = STORE_YIELD_MS  # a G2 store job's longest wait for loads, in all
 
 
 @dataclass
@@ -202,10 +204,11 @@ class PoolAllocator:
                progress: AllocationProgress) -> BlockMover:
         checksums = self.config.host_checksums
         if self.path.gpu is None:
-            return BlockMover(host, disk, disk_io, host_checksums=checksums, pacing=self.path.pacing)
+            return BlockMover(host, disk, disk_io, host_checksums=checksums, pacing=self.path.pacing,
+                              store_yield_ms=self.path.store_yield_ms)
         from .handlers.cuda import CudaMover  # lazy: CUDA only on a GPU worker
         return CudaMover(host, disk, disk_io, host_checksums=checksums, pacing=self.path.pacing,
-                         device=self.path.gpu,
+                         store_yield_ms=self.path.store_yield_ms, device=self.path.gpu,
                          mechanism=self.path.cuda_copy, progress=progress.second_half, deadline=progress.deadline,
                          issue_threads=self.path.issue_threads, split_min=self.path.issue_split_copies)
 

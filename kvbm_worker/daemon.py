@@ -39,6 +39,7 @@ from .grouping import GROUP_DEPTH, PIECE_BYTES, GroupPacing, GroupShape
 from .handlers.cuda_copier import CopyMechanism
 from .handlers.issuers import ISSUE_THREADS, MAX_ISSUE_THREADS, MAX_SPLIT_MIN_COPIES, SPLIT_MIN_COPIES
 from .leader_link import LeaderLink
+from .loads_first import MAX_STORE_YIELD_MS, STORE_YIELD_MS
 from .service import WorkerService
 
 log = logging.getLogger("kvbm.worker")
@@ -204,6 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--issue-split-copies", type=int, default=SPLIT_MIN_COPIES, metavar="N",
                         help="with --issue-threads above 1: the fewest copies in one call that are split among "
                              f"the threads (a shorter call is issued by the copy lane alone) [default {SPLIT_MIN_COPIES}]")
+    parser.add_argument("--store-yield-ms", type=float, default=STORE_YIELD_MS, metavar="MS",
+                        help="loads first: a store from the engine to G2 waits between its pieces while a load "
+                             "runs on this worker (the two share the host link: a 20K load took 59 ms alone, "
+                             "71-79 ms beside a store on an H200), at most this long in all per store job and "
+                             f"never past its deadline; 0: stores never wait [default {STORE_YIELD_MS:g}]")
     parser.add_argument("--switch-interval-ms", type=float, default=SWITCH_INTERVAL_MS, metavar="MS",
                         help="Python's thread switch interval in this daemon: at most how long a copy lane waits "
                              "for the interpreter lock while another thread holds it (Python's own default is 5; "
@@ -224,11 +230,14 @@ def data_path(args: argparse.Namespace) -> DataPath:
         raise KvbmConfigError(f"--issue-threads must be in [1, {MAX_ISSUE_THREADS}]")
     if not args.issue_threads <= args.issue_split_copies <= MAX_SPLIT_MIN_COPIES:
         raise KvbmConfigError(f"--issue-split-copies must be in [--issue-threads, {MAX_SPLIT_MIN_COPIES}]")
+    if not 0 <= args.store_yield_ms <= MAX_STORE_YIELD_MS:
+        raise KvbmConfigError(f"--store-yield-ms must be in [0, {MAX_STORE_YIELD_MS:g}]")
     if not 0 < args.switch_interval_ms <= 1000:
         raise KvbmConfigError("--switch-interval-ms must be in (0, 1000]")
     pacing = GroupPacing(int(args.load_piece_mb * (1 << 20)), args.load_ahead, GroupShape(args.load_group_shape))
     return DataPath(gpu=args.gpu, cuda_copy=mechanism, prefer_nixl=not args.no_nixl, pacing=pacing,
-                    issue_threads=args.issue_threads, issue_split_copies=args.issue_split_copies)
+                    issue_threads=args.issue_threads, issue_split_copies=args.issue_split_copies,
+                    store_yield_ms=args.store_yield_ms)
 
 
 def main(argv: list[str] | None = None) -> int:

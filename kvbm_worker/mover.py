@@ -1,28 +1,27 @@
 """The copy executor: moves the bytes of checked batches between the engine region, G2 (host
 slots) and G3 (the disk file, through a bounce buffer), verifying G3 (and optionally G2).
 
-Runs in the worker daemon; :meth:`BlockMover.run` is synchronous and is called on a lane
-thread (:mod:`.lanes`). A template: this class does the tier split, demotions, promotions,
-the bounce-buffer pipeline to and from disk, checksums and time checks; a medium supplies
-how engine pages reach slot rows (:meth:`_to_slots` / :meth:`_from_slots`, here numpy on a
-CPU engine's shared memory; :class:`~.handlers.cuda.CudaMover` for CUDA IPC regions).
+Runs in the worker daemon; :meth:`BlockMover.run` is synchronous, on a lane thread (:mod:`.lanes`).
+A template: this class does the tier split, demotions, promotions, the bounce-buffer pipeline to
+and from disk, checksums and time checks; a medium supplies how engine pages reach slot rows
+(:meth:`_to_slots` / :meth:`_from_slots`: numpy on a CPU engine's shared memory here,
+:class:`~.handlers.cuda.CudaMover` for CUDA IPC regions). A G2 store's pieces wait while a load
+runs (:mod:`.loads_first`).
 
-Order within a batch: demotions, promotions, then the entries (a STORE may reuse the host
-slot of a block it first demotes to disk).
+Order within a batch: demotions, promotions, then the entries (a STORE may reuse the host slot
+of a block it first demotes to disk).
 
-Layer groups (a LOAD from G2 with a :class:`~.grouping.Grouping`, cut as :mod:`.grouping`
-says): ``Grouping.landed`` gets a group's end page once its bytes are in the engine's memory,
-and the engine's signal words (:mod:`.signals`) are written after its copies; the time check
-at the end still decides the outcome.
+Layer groups (a G2 LOAD with a :class:`~.grouping.Grouping`): ``Grouping.landed`` gets a group's
+end page once its bytes are in the engine's memory, the signal words (:mod:`.signals`) are
+written after its copies; the time check at the end still decides the outcome.
 
-Integrity (every G3 slot; G2 slots with ``host_checksums``): a slot's xxh3-64 is computed
-on the lane from the bytes written (:mod:`.checksums`) and checked after every read, before
-the bytes reach the engine or G2; a mismatch or a failed read raises
-:class:`~.errors.SlotsFailed` naming the slots.
+Integrity (every G3 slot; G2 slots with ``host_checksums``): a slot's xxh3-64 is computed from
+the bytes written (:mod:`.checksums`) and checked after every read, before the bytes reach the
+engine or G2; a mismatch or a failed read raises :class:`~.errors.SlotsFailed` naming the slots.
 
-Time (``until``: the job's deadline plus part of the leader's grace, after which the leader
-may reuse the job's slots): checked before every chunk is written and after a load read its
-sources, so a late copy stops instead of landing in a reused slot (:class:`~.errors.CopyExpired`).
+Time (``until``: the job's deadline plus part of the leader's grace, after which the leader may
+reuse the job's slots): checked before every chunk is written and after a load read its sources,
+so a late copy stops instead of landing in a reused slot (:class:`~.errors.CopyExpired`).
 """
 from __future__ import annotations
 
@@ -44,6 +43,7 @@ from .id_arrays import EngineBlocks, Slots
 from .grouping import DMA_FLOOR_BPS, GroupPacing, Grouping as Grouping, group_pieces, groupable
 from .jobs import JobKey, PieceTimes, ThreadUsage
 from .lanes import Lane
+from .loads_first import STORE_YIELD_MS, LoadsFirst
 from .pending import DONE, Pending
 from .plan_check import Batch
 from .pools import DiskPool, HostPool
@@ -57,23 +57,18 @@ HOST_CHUNK_BYTES = 256 << 20  # engine <-> G2 copies are cut here, to check the 
 
 
 class BlockMover:
-    """Moves bytes for one worker's pools (one pool epoch). Owns the bounce buffers and the
-    G2 checksum table; borrows the pools (the G3 table belongs to the G3 file, which may
-    outlive the worker) and the disk I/O (the caller closes those).
-
-    Args:
-        host, disk: the G2 and G3 pools (None when the tier is off).
-        disk_io: timed G3 I/O (None without G3).
-        host_checksums: also checksum G2 slots (``DYN_KVBM_HOST_CHECKSUMS``).
-        clock: CLOCK_MONOTONIC (injectable for tests).
-    """
+    """Moves bytes for one worker's pools (one pool epoch). Owns the bounce buffers and the G2
+    checksum table; borrows the pools (None: a tier is off; the G3 table belongs to the G3 file)
+    and the timed G3 I/O. ``host_checksums``: ``DYN_KVBM_HOST_CHECKSUMS``; ``clock``: monotonic;
+    ``store_yield_ms``: a store job's longest wait for loads (:mod:`.loads_first`)."""
 
     def __init__(self, host: HostPool | None, disk: DiskPool | None, disk_io: TimedDiskIO | None, *,
                  host_checksums: bool = False, bounce_slots: int = 64, pacing: GroupPacing = GroupPacing(),
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, store_yield_ms: float = STORE_YIELD_MS) -> None:
         self.host, self.disk, self.disk_io = host, disk, disk_io
         self.pacing = pacing
         self.clock = clock
+        self.loads_first = LoadsFirst(store_yield_ms / 1e3, clock)
         self.bounce: dict[Lane, BounceBuffer] = {}
         self.disk_sums = disk.sums if disk else None
         self.host_sums = SlotSums(host.geometry.num_slots, host.geometry.block_bytes) \
@@ -93,8 +88,7 @@ class BlockMover:
                 sums.reset()
 
     def warm_lane(self, lane: Lane) -> None:
-        """Called once on each lane thread before the first job: pay per-thread first-use costs
-        there, not in a user's request. Nothing to do on the CPU."""
+        """Once on each lane thread before its first job: per-thread first-use costs (none on the CPU)."""
 
     # ------------------------------------------------------------------ medium hooks
     def _enter_lane(self, region: EngineRegion | None) -> None:
@@ -138,25 +132,25 @@ class BlockMover:
             return moved
         assert region is not None
         region.check_blocks(batch.engine_blocks)
-        for tier in (Tier.HOST, Tier.DISK):
-            blocks, slots = batch.entries(tier)
-            if not len(blocks):
-                continue
-            if tier is Tier.HOST:
-                self._engine_host(batch.kind, region, blocks, slots, until,
-                                  grouping if groupable(batch) else None)
-            elif batch.kind is PlanKind.STORE:
-                self._store_disk(region, blocks, slots, until, batch.job)
-            else:
-                self._load_disk(region, blocks, slots, until)
-            moved += len(blocks) * region.block_bytes
+        with self.loads_first.loading(batch.kind is PlanKind.LOAD):
+            for tier in (Tier.HOST, Tier.DISK):
+                blocks, slots = batch.entries(tier)
+                if not len(blocks):
+                    continue
+                if tier is Tier.HOST:
+                    self._engine_host(batch.kind, region, blocks, slots, until,
+                                      grouping if groupable(batch) else None)
+                elif batch.kind is PlanKind.STORE:
+                    self._store_disk(region, blocks, slots, until, batch.job)
+                else:
+                    self._load_disk(region, blocks, slots, until)
+                moved += len(blocks) * region.block_bytes
         return moved
 
     def _check_time(self, until: float) -> None:
         late = self.clock() - until
         if late >= 0:
-            raise CopyExpired(f"the copy is {late * 1e3:.0f} ms past the point where the leader may reuse "
-                              "its slots; stopped")
+            raise CopyExpired(f"the copy is {late * 1e3:.0f} ms past when the leader may reuse its slots; stopped")
 
     def _pool(self) -> HostPool:
         assert self.host is not None, "a plan names G2 on a worker without G2"
@@ -176,10 +170,8 @@ class BlockMover:
     # ------------------------------------------------------------------ engine <-> G2
     def _engine_host(self, kind: PlanKind, region: EngineRegion, blocks: EngineBlocks, slots: Slots,
                      until: float, grouping: Grouping | None = None) -> None:
-        """Piece k+1 is issued while piece k is in flight (an asynchronous medium keeps its copy
-        queue busy); the time is checked before each piece is issued. A piece is a chunk of
-        blocks, or with ``grouping`` one group's pages of a chunk (groups outermost, cut and
-        queued as :attr:`pacing` says)."""
+        """Piece k+1 is issued while piece k is in flight; the time is checked before each. A piece
+        is a chunk of blocks, or with ``grouping`` one group's pages of a chunk (as :attr:`pacing` says)."""
         host, sums = self._pool(), self.host_sums
         per = HOST_CHUNK_BYTES // region.block_bytes
         pieces: Sequence[tuple[int, int, tuple[int, int] | None, bool]]  # (see grouping.Piece)
@@ -199,6 +191,7 @@ class BlockMover:
         queued = 0  # bytes of the layer-grouped pieces in flight
         words = SignalWriter(grouping.signals if grouping is not None else None,
                              lambda slot, value: self._signal(region, slot, value))
+        turn = self.loads_first.store() if kind is PlanKind.STORE else None
 
         def settle(copy: Pending, to: Slots, pages: tuple[int, int] | None, group_done: bool, began: float,
                    sent: float, nbytes: int, used: ThreadUsage) -> None:
@@ -218,6 +211,8 @@ class BlockMover:
             for lo, hi, pages, last in pieces:
                 nbytes = 0 if pages is None else (hi - lo) * (pages[1] - pages[0]) * region.page_bytes
                 queued += nbytes  # (layer-grouped pieces only)
+                if turn is not None:
+                    turn.before_piece(until, (hi - lo) * region.block_bytes)
                 self._check_time(until - queued / DMA_FLOOR_BPS)
                 began, usage = time.perf_counter(), ThreadUsage.now()
                 b, s = EngineBlocks(blocks[lo:hi]), Slots(slots[lo:hi])
@@ -241,6 +236,8 @@ class BlockMover:
         finally:
             for copy in issued:  # nothing may still be copying once the job is answered
                 copy.wait()
+            if turn is not None:
+                turn.log(len(blocks))
         if kind is PlanKind.LOAD:
             self._check_time(until)  # the source slots were still ours while they were read
 
@@ -258,8 +255,7 @@ class BlockMover:
 
     def _write_disk(self, addrs: Ids, slots: Slots, sums: npt.NDArray[np.uint64], hold: object,
                     writer: JobKey) -> None:
-        """Write host memory at ``addrs`` to G3 ``slots`` for ``writer``'s job; their checksums
-        are ``sums`` once written."""
+        """Host memory at ``addrs`` -> G3 ``slots`` for ``writer``'s job (checksums ``sums``)."""
         table = self._sums()
         table.forget(slots)
         self._disk_io().write(*self._disk_runs(addrs, slots), hold=hold)
@@ -278,9 +274,8 @@ class BlockMover:
         return self._verify(self._sums(), Tier.DISK, slots, bounce.slots, rows)
 
     def _unreadable(self, bounce: BounceBuffer, rows: Ids, slots: Slots) -> list[int]:
-        """After a failed read of several slots (e.g. a short read of a truncated file): the
-        slots that cannot be read one by one or fail their checksum, so that only their copies
-        are dropped (all of ``slots`` if the disk fails every one)."""
+        """After a failed read of several slots (a truncated file): those that fail alone (read or
+        checksum), so only their copies are dropped (all if the disk fails every one)."""
         bad: list[int] = []
         for i in range(len(slots)):
             one, row = Slots(slots[i:i + 1]), rows[i:i + 1]
@@ -365,10 +360,8 @@ class BlockMover:
         return len(batch.demote_host) * host.geometry.block_bytes
 
     def _promote(self, batch: Batch, until: float) -> int:
-        """G3 -> G2 through the lane's bounce rows: verified before a byte reaches G2.
-
-        NOTE: not straight into the host slots: a read that never returns could then write a
-        slot after the leader gave it to another block."""
+        """G3 -> G2 through the lane's bounce rows (verified before a byte reaches G2): a read
+        straight into a slot that never returns could write it after the leader reused it."""
         if not len(batch.promote_host):
             return 0
         self._disk_io().check()

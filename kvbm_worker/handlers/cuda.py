@@ -25,6 +25,7 @@ from ..grouping import GroupPacing
 from ..handlers.disk_guard import TimedDiskIO
 from ..id_arrays import EngineBlocks
 from ..lanes import Lane
+from ..loads_first import STORE_YIELD_MS
 from ..mover import BlockMover
 from ..pending import Pending
 from ..pools import DiskPool, HostPool
@@ -82,11 +83,13 @@ class CudaMover(BlockMover):
     """
 
     def __init__(self, host: HostPool | None, disk: DiskPool | None, disk_io: TimedDiskIO | None, *,
-                 host_checksums: bool = False, pacing: GroupPacing = GroupPacing(), device: int,
+                 host_checksums: bool = False, pacing: GroupPacing = GroupPacing(),
+                 store_yield_ms: float = STORE_YIELD_MS, device: int,
                  mechanism: CopyMechanism = CopyMechanism.AUTO, progress: Callable[[float], None] | None = None,
                  deadline: float | None = None, issue_threads: int = 1,
                  split_min: int = SPLIT_MIN_COPIES) -> None:
-        super().__init__(host, disk, disk_io, host_checksums=host_checksums, pacing=pacing)
+        super().__init__(host, disk, disk_io, host_checksums=host_checksums, pacing=pacing,
+                         store_yield_ms=store_yield_ms)
         self.device = device
         self.pinned = PinnedHost(device)
         try:

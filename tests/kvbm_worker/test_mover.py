@@ -3,6 +3,7 @@ region (no daemons): bytes, checksums, short reads, time limits."""
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -295,3 +296,32 @@ def test_pieces_queued_ahead_must_land_before_the_deadline_at_the_floor_pace(rig
         grouped_load(r, GroupPacing(piece_bytes=piece, ahead=0), until=until, clock=lambda: 0.0)
     mover, landed = grouped_load(r, GroupPacing(piece_bytes=piece, ahead=0), until=10 * until, clock=lambda: 0.0)
     assert landed == [1, 3], "the whole load (12000 bytes) fits in 10 x that room"
+
+
+def test_the_mover_holds_a_g2_store_while_a_load_runs_and_marks_its_own_loads(rig):
+    r = rig()
+    r.mover.loads_first.budget_s = 5.0
+    done = threading.Event()
+
+    def store() -> None:
+        r.run(PlanKind.STORE, tier=Tier.HOST, slots=[0, 1], blocks=[3, 4])
+        done.set()
+    with r.mover.loads_first.loading():  # a load runs on the other lane
+        t = threading.Thread(target=store)
+        t.start()
+        assert not done.wait(0.2), "the store copied while a load ran"
+    assert done.wait(5), "the store did not go once the load ended"
+    t.join()
+    seen: list[tuple[PlanKind, int]] = []
+    engine_host = r.mover._engine_host
+
+    def spy(kind, *args, **kwargs):
+        seen.append((kind, r.mover.loads_first.active))
+        return engine_host(kind, *args, **kwargs)
+    r.mover._engine_host = spy  # type: ignore[method-assign]
+    r.engine.array[20:22] = 0
+    r.run(PlanKind.LOAD, tier=Tier.HOST, slots=[0, 1], blocks=[20, 21])
+    r.run(PlanKind.STORE, tier=Tier.HOST, slots=[2], blocks=[5])
+    assert seen == [(PlanKind.LOAD, 1), (PlanKind.STORE, 0)]
+    assert np.array_equal(r.engine.array[20:22], r.engine.array[3:5]) and r.engine.array[3].size == LAYERS * PAGE
+    assert r.mover.loads_first.active == 0

@@ -59,3 +59,11 @@ def test_the_split_threshold_comes_from_the_arguments_and_is_bounded():
                 ["--issue-split-copies", str((1 << 20) + 1)]):
         with pytest.raises(KvbmConfigError, match="--issue-split-copies"):
             data_path(build_parser().parse_args(["--gpu", "0", *bad]))
+
+
+def test_a_stores_wait_for_loads_comes_from_the_arguments_and_is_bounded():
+    assert data_path(build_parser().parse_args(["--cpu"])).store_yield_ms == 200.0
+    assert data_path(build_parser().parse_args(["--gpu", "0", "--store-yield-ms", "0"])).store_yield_ms == 0.0
+    for bad in ("-1", "10001"):
+        with pytest.raises(KvbmConfigError, match="--store-yield-ms"):
+            data_path(build_parser().parse_args(["--gpu", "0", "--store-yield-ms", bad]))
