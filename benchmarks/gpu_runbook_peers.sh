@@ -138,6 +138,10 @@
 #             of ours_layerwise_v1 against vLLM alone under the V1 runner (baseline_v1)
 #   split20   20K, eager, kvbm layerwise alone: --issue-split-copies 512 (the default) and 256, in turn,
 #             SPLIT_PASSES passes (default "1 2"): is a load's first piece (~506 copies) worth splitting?
+#   mixed20   20K, eager, G2 48 GB, --cold-before-warm (an untimed new 20K prompt before each warm request:
+#             kvbm stores it while the warm one loads): kvbm layerwise with its default (a store waits
+#             while a load runs, --store-yield-ms 200) and with --store-yield-ms 0, in turn, MIXED_PASSES
+#             passes (default "1 2"); then LMCache and kvbm layerwise in one run, 2 passes
 #   storegil  daemon_layer_loads.py --layout per-layer --stores-beside (each 20K load beside a 20K store
 #             on the same worker): this tree (a store's copy calls give up the interpreter lock) against
 #             a copy of it in /tmp/kvhold with that one call reverted to holding it, alternating, 2 passes;
@@ -161,13 +165,14 @@ peers() {
 }
 # 20K, eager, kvbm layerwise alone, one harness run (its own service) per worker variant NAME=FLAGS, in
 # order; each run's worker log apart ($R/worker_TAG_NAME.log), then lane_issue.py over them.
+# VARGS: more harness arguments.
 #   variants TAG NAME=FLAGS...
 variants() {
   local tag=$1 v n w=/tmp/kvbm-logs/worker.log l; shift
   for v in "$@"; do
     n=${v%%=*}; l=$(cat "$w" 2>/dev/null | wc -l)
     KVBM_WORKER_ARGS="${v#*=}" KVBM_CONNECTOR_TRACE=$R/t20k_${tag}_$n.jsonl $T "$R/ttft20k_${tag}_$n.jsonl" \
-      ours_layerwise $A20 $H --timeout 300 >>"$R/$s.log" 2>&1
+      ours_layerwise $A20 $H --timeout 300 ${VARGS:-} >>"$R/$s.log" 2>&1
     tail -n +$((l + 1)) "$w" >"$R/worker_${tag}_$n.log"; step "$s $n done"
   done
   for v in "$@"; do n=${v%%=*}; P=$(echo "${v#*=}" | sed -n 's/.*--load-piece-mb \([0-9.]*\).*/--piece-mb \1/p')
@@ -265,6 +270,9 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
                python3 benchmarks/greedy_check.py "$R/greedy8_v1_graphs.jsonl" --reference baseline_v1 >>"$R/$s.log" 2>&1 ;;
     split20) for p in ${SPLIT_PASSES:-1 2}; do
                variants split_p$p "s512=--issue-split-copies 512" "s256=--issue-split-copies 256"; done ;;
+    mixed20) for p in ${MIXED_PASSES:-1 2}; do KVBM_G2_GB=48 VARGS="--cold-before-warm --g2-gb 48" \
+               variants mixed_p$p "y200=" "y0=--store-yield-ms 0"; done
+             KVBM_G2_GB=48 peers lmcache,ours_layerwise --passes 2 --cold-before-warm --g2-gb 48 ;;
     storegil) C=kvbm_worker/handlers/cuda_copier.py; rm -rf /tmp/kvhold; cp -a . /tmp/kvhold
               sed -i 's/release=stream is self.streams\[Direction.D2H\])/release=False)/' /tmp/kvhold/$C
               if cmp -s $C /tmp/kvhold/$C; then echo "storegil: the revert did not apply" >"$R/$s.log"; false

@@ -119,7 +119,10 @@ def engine(args):
             llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
     rows = []
     before = hit_counters(llm) if args.hit_sources else {}
+    strangers = cold_prompts(args.ctx_len + args.sys_len)
     for r, u, prompt in workload(args.users, args.rounds, args.sys_len, args.ctx_len, args.turn_len):
+        if args.cold_before_warm and r > 0:  # untimed: a new user's prompt, whose stores run meanwhile
+            llm.generate([{"prompt_token_ids": next(strangers)}], sp, use_tqdm=False)
         t, wall = time.perf_counter(), time.time()
         o = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
         rows.append({"round": r, "user": u, "tokens": len(prompt), "ttft_s": time.perf_counter() - t, "t0": wall,
@@ -176,6 +179,14 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def cold_prompts(n, seed=7):
+    """Endless prompts of ``n`` tokens that share nothing with the workload's (--cold-before-warm)."""
+    import random
+    rnd = random.Random(seed)
+    while True:
+        yield [rnd.randrange(150001, 151000)] + [rnd.randrange(100, 150000) for _ in range(n - 1)]
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="/tmp/qwen3-4b-shape")
@@ -193,6 +204,10 @@ def parse_args(argv=None):
     ap.add_argument("--g2-gb", type=float, default=24.0)
     ap.add_argument("--timeout", type=int, default=300, help="seconds per engine (one system, one pass)")
     ap.add_argument("--max-tokens", type=int, default=1)
+    ap.add_argument("--cold-before-warm", action="store_true",
+                    help="before each warm request, an untimed cold one of --sys-len + --ctx-len new tokens: a "
+                         "connector that stores after a request returns stores it while the warm one loads "
+                         "(mind G2: each adds its blocks)")
     ap.add_argument("--passes", type=int, default=1,
                     help="run the systems this many times, in order and in reverse by turns (A B C C B A ...), "
                          "a fresh engine each")
@@ -226,7 +241,7 @@ def engine_cmd(name, pass_index, args):
            "--model", args.model, "--users", str(args.users), "--rounds", str(args.rounds),
            "--sys-len", str(args.sys_len), "--ctx-len", str(args.ctx_len), "--turn-len", str(args.turn_len),
            "--max-len", str(args.max_len), "--g1-gb", str(args.g1_gb), "--g2-gb", str(args.g2_gb),
-           "--max-tokens", str(args.max_tokens)]
+           "--max-tokens", str(args.max_tokens)] + (["--cold-before-warm"] if args.cold_before_warm else [])
     return (cmd + (["--cuda-graphs"] if args.cuda_graphs else []) + (["--hit-sources"] if args.hit_sources else [])
             + (["--warmup-turn"] if args.warmup_turn else []))
 

@@ -74,6 +74,18 @@ def test_the_engine_process_gets_the_workload_the_pass_and_the_mode(graphs):
         assert getattr(child, k) == getattr(args, k), k
 
 
+def test_cold_before_warm_reaches_the_engine_and_its_prompts_share_nothing_with_the_workload():
+    args = vllm_peers.parse_args(["--systems", "ours_layerwise", "--cold-before-warm"])
+    child = vllm_peers.parse_args(vllm_peers.engine_cmd("ours_layerwise", 0, args)[2:])
+    assert child.cold_before_warm is True
+    assert vllm_peers.parse_args(vllm_peers.engine_cmd("ours", 0, vllm_peers.parse_args([]))[2:]).cold_before_warm is False
+    prompts = vllm_peers.cold_prompts(300)
+    a, b = next(prompts), next(prompts)
+    assert len(a) == len(b) == 300 and a != b
+    firsts = {p[0] for _, _, p in vllm_peers.workload(3, 2, 16, 64, 8)}
+    assert a[0] not in firsts and b[0] not in firsts, "a cold prompt's first block would match a user's"
+
+
 def extra(system: str, pass_index: int) -> dict:
     kw, _ = vllm_peers.system_kwargs(system, 24.0, pass_index)
     return kw["kv_transfer_config"].get("kv_connector_extra_config", {})
