@@ -218,7 +218,8 @@ def main() -> None:
     table(runs)
     events = [json.loads(line) for line in open(args.trace)]
     names = args.systems.split(",") if args.systems is not None else \
-        list(dict.fromkeys(r["slot"] for r in runs if r["slot"].startswith("ours") or base_system(r["slot"]) in TRACED_PEERS))
+        list(dict.fromkeys(r["slot"] for r in runs
+                           if r["slot"].startswith("ours") or base_system(r["slot"]) in TRACED_PEERS))
     for name in names:
         parts: list[dict] = []
         mine = [r for r in runs if r["slot"] == name and "rows" in r]

@@ -180,7 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "copy on CUDA streams (needs torch with CUDA and cuda-python)")
     parser.add_argument("--cuda-copy", default=CopyMechanism.AUTO.value, choices=[m.value for m in CopyMechanism],
                         help="G1<->G2 copy mechanism with --gpu [default auto: direct, i.e. cudaMemcpyBatchAsync "
-                             "called through ctypes on torch's CUDA runtime (loads hold the interpreter lock, stores give it up), once a "
+                             "called through ctypes on torch's CUDA runtime (loads hold the interpreter lock, "
+                             "stores give it up), once a "
                              "check copy at start moved the right bytes; else batch (the same API through "
                              "cuda-python) where the CUDA runtime has it (>= 12.8); else one DMA per contiguous run "
                              "when runs average >= 256 KiB, else a GPU gather into staging + DMA]")
@@ -204,7 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
                              f"copy lane alone [default {ISSUE_THREADS}]")
     parser.add_argument("--issue-split-copies", type=int, default=SPLIT_MIN_COPIES, metavar="N",
                         help="with --issue-threads above 1: the fewest copies in one call that are split among "
-                             f"the threads (a shorter call is issued by the copy lane alone) [default {SPLIT_MIN_COPIES}]")
+                             "the threads (a shorter call is issued by the copy lane alone) "
+                             f"[default {SPLIT_MIN_COPIES}]")
     parser.add_argument("--store-yield-ms", type=float, default=STORE_YIELD_MS, metavar="MS",
                         help="loads first: a store from the engine to G2 waits between its pieces while a load "
                              "runs on this worker (the two share the host link: a 20K load took 59 ms alone, "

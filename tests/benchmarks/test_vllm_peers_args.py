@@ -78,7 +78,8 @@ def test_cold_before_warm_reaches_the_engine_and_its_prompts_share_nothing_with_
     args = vllm_peers.parse_args(["--systems", "ours_layerwise", "--cold-before-warm"])
     child = vllm_peers.parse_args(vllm_peers.engine_cmd("ours_layerwise", 0, args)[2:])
     assert child.cold_before_warm is True
-    assert vllm_peers.parse_args(vllm_peers.engine_cmd("ours", 0, vllm_peers.parse_args([]))[2:]).cold_before_warm is False
+    plain = vllm_peers.engine_cmd("ours", 0, vllm_peers.parse_args([]))
+    assert vllm_peers.parse_args(plain[2:]).cold_before_warm is False
     prompts = vllm_peers.cold_prompts(300)
     a, b = next(prompts), next(prompts)
     assert len(a) == len(b) == 300 and a != b
@@ -119,9 +120,11 @@ def test_a_v1_system_runs_its_base_system_under_vllms_v1_model_runner_one_step_a
     assert extra("ours_layerwise_v1", 0) == {"load_mode": "layerwise", "namespace": "ours_layerwise_v1"}
     assert extra("ours_layerwise_v1", 1)["namespace"] == "ours_layerwise_v1_pass1"
     assert extra("ours_v1", 0) == {"namespace": "ours_v1"}
-    graphs = vllm_peers.base_engine_kwargs(vllm_peers.parse_args(["--engine", "--system", "dynamo_v1", "--cuda-graphs"]))
+    graphs = vllm_peers.base_engine_kwargs(
+        vllm_peers.parse_args(["--engine", "--system", "dynamo_v1", "--cuda-graphs"]))
     assert graphs["compilation_config"] == {"cudagraph_mode": "PIECEWISE"}
-    assert vllm_peers.parse_args(["--systems", "lmcache_v1,ours_layerwise_v1"]).systems == "lmcache_v1,ours_layerwise_v1"
+    both = "lmcache_v1,ours_layerwise_v1"
+    assert vllm_peers.parse_args(["--systems", both]).systems == both
     with pytest.raises(SystemExit):
         vllm_peers.parse_args(["--systems", "lmcache_v1_v1"])
 
