@@ -209,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
                              f"[default {SPLIT_MIN_COPIES}]")
     parser.add_argument("--store-yield-ms", type=float, default=STORE_YIELD_MS, metavar="MS",
                         help="loads first: a store from the engine to G2 waits between its pieces while a load "
-                             "runs on this worker (the two share the host link: a 20K load took 59 ms alone, "
+                             "from G2 runs on this worker (the two share the host link: a 20K load took 59 ms alone, "
                              "71-79 ms beside a store on an H200), at most this long in all per store job and "
                              f"never past its deadline; 0: stores never wait [default {STORE_YIELD_MS:g}]")
     parser.add_argument("--switch-interval-ms", type=float, default=SWITCH_INTERVAL_MS, metavar="MS",

@@ -1,8 +1,9 @@
 """Loads before stores on one worker's host link: a store's next piece waits while a load runs.
 
-Runs in the worker daemon, for :class:`~.mover.BlockMover`: the load lane marks each engine load
-(:meth:`LoadsFirst.loading`), the store lane asks before each piece of an engine store
-(:meth:`StoreTurn.before_piece`). One object per mover, shared by its two lane threads.
+Runs in the worker daemon, for :class:`~.mover.BlockMover`: the load lane marks each load from G2
+into the engine (:meth:`LoadsFirst.loading`; a G3 load runs at disk speed and is not marked), the
+store lane asks before each piece of a store from the engine to G2 (:meth:`StoreTurn.before_piece`).
+One object per mover, shared by its two lane threads.
 
 Why (2026-11-27, twenty-first session, ``benchmarks/daemon_layer_loads.py --layout per-layer
 --stores-beside``): a 20K load (2.97 GB from G2) took 59 ms alone and 71-79 ms while a 20K store

@@ -132,19 +132,19 @@ class BlockMover:
             return moved
         assert region is not None
         region.check_blocks(batch.engine_blocks)
-        with self.loads_first.loading(batch.kind is PlanKind.LOAD):
-            for tier in (Tier.HOST, Tier.DISK):
-                blocks, slots = batch.entries(tier)
-                if not len(blocks):
-                    continue
-                if tier is Tier.HOST:
+        for tier in (Tier.HOST, Tier.DISK):
+            blocks, slots = batch.entries(tier)
+            if not len(blocks):
+                continue
+            if tier is Tier.HOST:  # (not G3 loads: disk speed)
+                with self.loads_first.loading(batch.kind is PlanKind.LOAD):
                     self._engine_host(batch.kind, region, blocks, slots, until,
                                       grouping if groupable(batch) else None)
-                elif batch.kind is PlanKind.STORE:
-                    self._store_disk(region, blocks, slots, until, batch.job)
-                else:
-                    self._load_disk(region, blocks, slots, until)
-                moved += len(blocks) * region.block_bytes
+            elif batch.kind is PlanKind.STORE:
+                self._store_disk(region, blocks, slots, until, batch.job)
+            else:
+                self._load_disk(region, blocks, slots, until)
+            moved += len(blocks) * region.block_bytes
         return moved
 
     def _check_time(self, until: float) -> None:

@@ -312,16 +312,24 @@ def test_the_mover_holds_a_g2_store_while_a_load_runs_and_marks_its_own_loads(ri
         assert not done.wait(0.2), "the store copied while a load ran"
     assert done.wait(5), "the store did not go once the load ended"
     t.join()
-    seen: list[tuple[PlanKind, int]] = []
-    engine_host = r.mover._engine_host
+    seen: list[tuple[str, int]] = []
+    engine_host, load_disk = r.mover._engine_host, r.mover._load_disk
 
     def spy(kind, *args, **kwargs):
-        seen.append((kind, r.mover.loads_first.active))
+        seen.append((kind.name, r.mover.loads_first.active))
         return engine_host(kind, *args, **kwargs)
+
+    def spy_disk(*args, **kwargs):
+        seen.append(("G3 load", r.mover.loads_first.active))
+        return load_disk(*args, **kwargs)
     r.mover._engine_host = spy  # type: ignore[method-assign]
+    r.mover._load_disk = spy_disk  # type: ignore[method-assign]
     r.engine.array[20:22] = 0
     r.run(PlanKind.LOAD, tier=Tier.HOST, slots=[0, 1], blocks=[20, 21])
     r.run(PlanKind.STORE, tier=Tier.HOST, slots=[2], blocks=[5])
-    assert seen == [(PlanKind.LOAD, 1), (PlanKind.STORE, 0)]
+    r.run(PlanKind.STORE, slots=[7], blocks=[6])
+    r.run(PlanKind.LOAD, slots=[7], blocks=[25])
+    assert seen == [("LOAD", 1), ("STORE", 0), ("G3 load", 0)], "only G2 loads make stores wait"
+    assert np.array_equal(r.engine.array[25], r.engine.array[6])
     assert np.array_equal(r.engine.array[20:22], r.engine.array[3:5]) and r.engine.array[3].size == LAYERS * PAGE
     assert r.mover.loads_first.active == 0
