@@ -5,8 +5,9 @@ store's, and each share of a load split among threads (:mod:`.issuers`), gives i
 
 Why: cuda-python's binding builds a Python object per copy and releases the lock around every
 call (as torch's event record does), so a piece cost the lane several lock hand-offs and ~1 µs
-of Python per copy. Here a piece is one foreign call that keeps the lock (``ctypes.PyDLL``),
-the addresses handed over as the arrays' memory; only ``synchronize`` releases it (it blocks).
+of Python per copy. Here a load's piece is one foreign call that keeps the lock (``ctypes.PyDLL``),
+the addresses handed over as the arrays' memory; ``synchronize`` (it blocks) and the releasing
+batch call (``ctypes.CDLL``: stores, split loads) give it up.
 Measured on an H200 beside vLLM (2026-11-26, ``README`` "seventh session"): the lane's CPU time
 issuing an 8K load's pieces 9.4-13.6 ms instead of 19.3-21.1, its first layer group at the engine
 ~4.5 ms sooner. The per-piece CPU time equals its wall time on both paths, so what the lane
@@ -79,7 +80,7 @@ class Direct:
 
     def __init__(self, path: str) -> None:
         held = ctypes.PyDLL(path)  # calls keep the interpreter lock
-        free = ctypes.CDLL(path)  # calls release it (the blocking ones)
+        free = ctypes.CDLL(path)  # calls release it (the blocking ones, and batch(release=True))
         version = ctypes.c_int(0)
         if held.cudaRuntimeGetVersion(ctypes.byref(version)) != 0:
             raise DirectError("cudaRuntimeGetVersion failed")
@@ -93,7 +94,7 @@ class Direct:
                            ctypes.c_size_t]
         self._batch.argtypes = head + ([] if self.version >= 13000 else [_SIZE_P]) + [ctypes.c_void_p]
         self._batch.restype = ctypes.c_int
-        self._batch_free = free.cudaMemcpyBatchAsync  # (the same call, giving up the lock: issuing threads)
+        self._batch_free = free.cudaMemcpyBatchAsync  # (the same call, giving up the lock: stores, split loads)
         self._batch_free.argtypes, self._batch_free.restype = self._batch.argtypes, ctypes.c_int
         self._record = held.cudaEventRecord
         self._record.argtypes, self._record.restype = [ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int
