@@ -146,6 +146,16 @@
 #             on the same worker): this tree (a store's copy calls give up the interpreter lock) against
 #             a copy of it in /tmp/kvhold with that one call reverted to holding it, alternating, 2 passes;
 #             then this tree without stores
+#   conc20    20K, eager, overlapping requests (vllm_peers.py --concurrent: every user its own task on
+#             AsyncLLM, 6 rounds, G1 8 GiB, 10 new 20K prompts arriving 400 ms apart whose stores run
+#             beside the users' loads; G2 48 GB), 2 passes, each: kvbm layerwise with its default (a store
+#             waits while a load runs, --store-yield-ms 200) and with --store-yield-ms 0 in turn (each
+#             its own service, the order reversed in pass 2), LMCache in the default's harness run;
+#             each run's worker log apart (worker_conc_*: "waited ... for loads" lines)
+#   tput8     8K, eager, overlapping requests, 128 output tokens each (--concurrent --max-tokens 128,
+#             G1 16 GiB: decode, no G1 eviction): vLLM alone and kvbm layerwise, each under vLLM's
+#             defaults (V2 runner, async scheduling) and under the V1 runner one step at a time; 2 passes
+#             (what one step at a time costs in throughput: out_tok_per_s, tpot)
 # (The nineteenth session's streams20 / gpuload steps, at 825e0ce, tried --load-streams, since removed.)
 # Earlier sessions' runs (other steps, other systems) are recorded in their result files' argv.
 . benchmarks/gpu_runbook_env.sh  # set -u, $R, step, A20, G8
@@ -273,6 +283,21 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
     mixed20) for p in ${MIXED_PASSES:-1 2}; do KVBM_G2_GB=48 VARGS="--cold-before-warm --g2-gb 48" \
                variants mixed_p$p "y200=" "y0=--store-yield-ms 0"; done
              KVBM_G2_GB=48 peers lmcache,ours_layerwise --passes 2 --cold-before-warm --g2-gb 48 ;;
+    conc20) C="--concurrent --rounds 6 --g1-gb 8 --g2-gb 48 --strangers 10 --stranger-gap-ms 400 --think-ms 200 \
+              --stagger-ms 100 --timeout 300"; w=/tmp/kvbm-logs/worker.log
+            for p in 1 2; do O="y200 y0"; [ $p = 2 ] && O="y0 y200"
+              for n in $O; do
+                Y=ours_layerwise; F=""; [ $n = y0 ] && F="--store-yield-ms 0"
+                [ $n = y200 ] && { Y=lmcache,ours_layerwise; [ $p = 2 ] && Y=ours_layerwise,lmcache; }
+                l=$(cat "$w" 2>/dev/null | wc -l)
+                KVBM_G2_GB=48 KVBM_WORKER_ARGS="$F" KVBM_CONNECTOR_TRACE=$R/t20k_conc_${n}_p$p.jsonl \
+                  $T "$R/ttft20k_conc_${n}_p$p.jsonl" $Y $A20 $C >>"$R/$s.log" 2>&1
+                tail -n +$((l + 1)) "$w" >"$R/worker_conc_${n}_p$p.log"
+                step "$s $n p$p done; store waits: $(grep -c 'for loads' "$R/worker_conc_${n}_p$p.log")"
+              done
+            done ;;
+    tput8) $T "$R/tput8k_runner.jsonl" baseline,baseline_v1,ours_layerwise,ours_layerwise_v1 --concurrent --rounds 2 \
+             --max-tokens 128 --think-ms 0 --stagger-ms 0 --g1-gb 16 --timeout 300 --passes 2 >"$R/$s.log" 2>&1 ;;
     storegil) C=kvbm_worker/handlers/cuda_copier.py; rm -rf /tmp/kvhold; cp -a . /tmp/kvhold
               sed -i 's/release=stream is self.streams\[Direction.D2H\])/release=False)/' /tmp/kvhold/$C
               if cmp -s $C /tmp/kvhold/$C; then echo "storegil: the revert did not apply" >"$R/$s.log"; false

@@ -30,30 +30,7 @@ import argparse, json, os, statistics, subprocess, sys, time
 
 from peer_passes import run_passes, summarize, summary_line
 from peer_systems import LAYER_HOOKS, SYSTEMS, base_system, system_kwargs
-
-QWEN3_4B = {
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 2560,
-    "intermediate_size": 9728, "num_hidden_layers": 36, "num_attention_heads": 32,
-    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960,
-    "rms_norm_eps": 1e-6, "rope_theta": 1000000, "hidden_act": "silu", "torch_dtype": "bfloat16",
-    "tie_word_embeddings": True, "attention_bias": False, "bos_token_id": 151643, "eos_token_id": 151645,
-}
-
-
-def workload(users, rounds, sys_len, ctx_len, turn_len, seed=11):
-    import random
-    rnd = random.Random(seed)
-    tok = lambda n: [rnd.randrange(100, 150000) for _ in range(n)]
-    system = tok(sys_len)
-    hist = {u: system + tok(ctx_len) for u in range(users)}
-    out = []
-    for r in range(rounds):
-        for u in range(users):
-            hist[u] = hist[u] + tok(turn_len)
-            out.append((r, u, list(hist[u])))
-            hist[u] = hist[u] + tok(32)
-    return out
-
+from peer_workload import cold_prompts, warmup_prompts, workload, write_model_config  # noqa: F401 (engine_beside)
 
 def mode(args):
     return "graphs" if args.cuda_graphs else "eager"
@@ -87,18 +64,33 @@ def hit_counters(llm):
 
 def resolved_cudagraph_mode(llm):
     """The CUDA graph mode the engine settled on (vLLM may override what was asked)."""
-    try:
-        return llm.llm_engine.vllm_config.compilation_config.cudagraph_mode.name
+    try:  # LLM, or (--concurrent) AsyncLLM
+        config = llm.vllm_config if hasattr(llm, "vllm_config") else llm.llm_engine.vllm_config
+        return config.compilation_config.cudagraph_mode.name
     except AttributeError:
         return None
 
 
 def engine(args):
-    from vllm import LLM, SamplingParams
     kw, _ = system_kwargs(args.system, args.g2_gb, args.pass_index)
     native = kw.pop("_native_size", None)
     base = base_engine_kwargs(args)
     t0 = time.time()
+    if args.concurrent:
+        import peer_concurrent as pc
+        llm, how = pc.async_engine(base, kw, native), "kv_offloading_size" if native is not None else (
+            "kv_transfer_config" if "kv_transfer_config" in kw else "plain")
+        init_s = time.time() - t0
+        turns = {}
+        for r, u, prompt in workload(args.users, args.rounds, args.sys_len, args.ctx_len, args.turn_len):
+            turns.setdefault(u, []).append((r, prompt))
+        strangers = cold_prompts(args.ctx_len + args.sys_len)
+        plan = pc.Plan(stagger_ms=args.stagger_ms, think_ms=args.think_ms, strangers=args.strangers,
+                       stranger_gap_ms=args.stranger_gap_ms)
+        rows = pc.run(llm, args.max_tokens, warmup_prompts(args), turns,
+                      [next(strangers) for _ in range(args.strangers)], plan)
+        return summarize_engine(args, how, init_s, llm, rows, {"concurrent": {**vars(plan), **pc.stats(rows)}})
+    from vllm import LLM, SamplingParams
     llm = None
     if native is not None:  # prefer the documented engine flags, fall back to the connector config
         try:
@@ -112,11 +104,8 @@ def engine(args):
         how = "kv_transfer_config" if "kv_transfer_config" in kw else "plain"
     init_s = time.time() - t0
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, detokenize=False, ignore_eos=True)
-    # warm the kernels on a throwaway prompt
-    llm.generate([{"prompt_token_ids": list(range(1000, 1600))}], sp, use_tqdm=False)
-    if args.warmup_turn:  # and the shapes of a warm turn (a short new part after a long prefix), untimed
-        for _, _, prompt in workload(1, 2, args.sys_len, args.ctx_len, args.turn_len, seed=99991):
-            llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
+    for prompt in warmup_prompts(args):  # untimed
+        llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
     rows = []
     before = hit_counters(llm) if args.hit_sources else {}
     strangers = cold_prompts(args.ctx_len + args.sys_len)
@@ -131,8 +120,14 @@ def engine(args):
             after = hit_counters(llm)
             rows[-1].update({k: after[k] - before[k] for k in after})
             before = after
-    warm = [x["ttft_s"] for x in rows if x["round"] > 0]
-    cold = [x["ttft_s"] for x in rows if x["round"] == 0]
+    return summarize_engine(args, how, init_s, llm, rows, {})
+
+
+def summarize_engine(args, how, init_s, llm, rows, extra):
+    """Print the engine's result line: warm (a user's later turns) and cold (its first) TTFT."""
+    users = [x for x in rows if x.get("kind", "user") == "user"]
+    warm = [x["ttft_s"] for x in users if x["round"] > 0]
+    cold = [x["ttft_s"] for x in users if x["round"] == 0]
     q = lambda v, p: sorted(v)[min(len(v) - 1, int(p * len(v)))]
     print(json.dumps({"system": args.system, "how": how, "init_s": round(init_s, 1), "mode": mode(args),
                       "warmup_turn": args.warmup_turn,
@@ -140,9 +135,9 @@ def engine(args):
                       "warm_ttft_p50": round(statistics.median(warm), 4), "warm_ttft_p90": round(q(warm, 0.9), 4),
                       "warm_ttft_mean": round(statistics.mean(warm), 4),
                       "cold_ttft_mean": round(statistics.mean(cold), 4),
-                      "warm_cached_frac": round(sum(x["cached"] for x in rows if x["round"] > 0) /
-                                                max(1, sum(x["tokens"] for x in rows if x["round"] > 0)), 3),
-                      **hit_fractions(rows), "rows": rows}), flush=True)
+                      "warm_cached_frac": round(sum(x["cached"] for x in users if x["round"] > 0) /
+                                                max(1, sum(x["tokens"] for x in users if x["round"] > 0)), 3),
+                      **hit_fractions(users), **extra, "rows": rows}), flush=True)
 
 
 def hit_fractions(rows):
@@ -179,14 +174,6 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def cold_prompts(n, seed=7):
-    """Endless prompts of ``n`` tokens that share nothing with the workload's (--cold-before-warm)."""
-    import random
-    rnd = random.Random(seed)
-    while True:
-        yield [rnd.randrange(150001, 151000)] + [rnd.randrange(100, 150000) for _ in range(n - 1)]
-
-
 def parse_args(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="/tmp/qwen3-4b-shape")
@@ -208,6 +195,17 @@ def parse_args(argv=None):
                     help="before each warm request, an untimed cold one of --sys-len + --ctx-len new tokens: a "
                          "connector that stores after a request returns stores it while the warm one loads "
                          "(mind G2: each adds its blocks)")
+    ap.add_argument("--concurrent", action="store_true",
+                    help="overlapping requests (peer_concurrent.py): every user its own task on vLLM's AsyncLLM, "
+                         "--stagger-ms apart, thinking ~--think-ms between turns; --strangers new prompts arrive "
+                         "meanwhile. Mind G1: several long prompts at once need room")
+    ap.add_argument("--stagger-ms", type=float, default=50.0, help="--concurrent: user u starts u x this late")
+    ap.add_argument("--think-ms", type=float, default=100.0,
+                    help="--concurrent: mean of a user's exponential pause between its turns")
+    ap.add_argument("--strangers", type=int, default=0,
+                    help="--concurrent: this many new prompts of --sys-len + --ctx-len tokens, one every "
+                         "--stranger-gap-ms (cold prefills whose stores run beside the users' loads)")
+    ap.add_argument("--stranger-gap-ms", type=float, default=300.0)
     ap.add_argument("--passes", type=int, default=1,
                     help="run the systems this many times, in order and in reverse by turns (A B C C B A ...), "
                          "a fresh engine each")
@@ -229,6 +227,11 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.passes < 1:
         ap.error(f"--passes must be at least 1, not {args.passes}")
+    if args.concurrent and (args.cold_before_warm or args.hit_sources):
+        ap.error("--concurrent takes --strangers, not --cold-before-warm; and not --hit-sources (vLLM's counters "
+                 "would mix overlapping requests)")
+    if min(args.stagger_ms, args.think_ms, args.stranger_gap_ms, args.strangers) < 0:
+        ap.error("--stagger-ms, --think-ms, --strangers and --stranger-gap-ms must be >= 0")
     unknown = [n for n in ([args.system] if args.engine else args.systems.split(",")) if n not in SYSTEMS]
     if unknown:  # before any engine ran, not after an hour of them
         ap.error(f"unknown system(s) {unknown}: one of {', '.join(SYSTEMS)}")
@@ -243,7 +246,9 @@ def engine_cmd(name, pass_index, args):
            "--max-len", str(args.max_len), "--g1-gb", str(args.g1_gb), "--g2-gb", str(args.g2_gb),
            "--max-tokens", str(args.max_tokens)] + (["--cold-before-warm"] if args.cold_before_warm else [])
     return (cmd + (["--cuda-graphs"] if args.cuda_graphs else []) + (["--hit-sources"] if args.hit_sources else [])
-            + (["--warmup-turn"] if args.warmup_turn else []))
+            + (["--warmup-turn"] if args.warmup_turn else [])
+            + (["--concurrent", "--stagger-ms", str(args.stagger_ms), "--think-ms", str(args.think_ms), "--strangers",
+                str(args.strangers), "--stranger-gap-ms", str(args.stranger_gap_ms)] if args.concurrent else []))
 
 
 #: how the engine process's result line (``engine``'s one JSON print) starts
@@ -285,18 +290,6 @@ def run_engine(name, pass_index, args):
                 f.write(f"===== pass {pass_index} =====\n{text}")
     res["wall_s"] = round(time.time() - t, 1)
     return res
-
-
-def write_model_config(model, tiny=False):
-    """``model``/config.json: Qwen3-4B's shape (vLLM makes up the weights), or (``tiny``) a
-    two-layer model for a smoke test on a CPU build."""
-    os.makedirs(model, exist_ok=True)
-    cfg = dict(QWEN3_4B)
-    if tiny:
-        cfg.update(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=64, vocab_size=152000)
-    with open(os.path.join(model, "config.json"), "w") as f:
-        json.dump(cfg, f)
 
 
 def main(argv=None, run_one=None):
