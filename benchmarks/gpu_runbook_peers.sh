@@ -158,7 +158,8 @@
 #   tput8     8K, eager, overlapping requests, 128 output tokens each (--concurrent --max-tokens 128,
 #             G1 16 GiB: decode, no G1 eviction): vLLM alone and kvbm layerwise, each under vLLM's
 #             defaults (V2 runner, async scheduling) and under the V1 runner one step at a time; 2 passes
-#             (what one step at a time costs in throughput: out_tok_per_s, tpot)
+#             (what one step at a time costs in throughput: out_tok_per_s, tpot); TPUT_SYSTEMS and
+#             TPUT_PASSES (default 2) change the systems and passes, TPUT_TAG the file's name; tput8g: the same with CUDA graphs
 # (The nineteenth session's streams20 / gpuload steps, at 825e0ce, tried --load-streams, since removed.)
 # Earlier sessions' runs (other steps, other systems) are recorded in their result files' argv.
 . benchmarks/gpu_runbook_env.sh  # set -u, $R, step, A20, G8
@@ -302,8 +303,11 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
     conc20l) KVBM_G2_GB=48 KVBM_CONNECTOR_TRACE=$R/t20k_conc_light.jsonl $T "$R/ttft20k_conc_light.jsonl" \
                lmcache,ours_layerwise $A20 --concurrent --rounds 6 --g1-gb 8 --g2-gb 48 --strangers 4 \
                --stranger-gap-ms 1500 --think-ms 300 --stagger-ms 100 --timeout 300 --passes 2 >"$R/$s.log" 2>&1 ;;
-    tput8) $T "$R/tput8k_runner.jsonl" baseline,baseline_v1,ours_layerwise,ours_layerwise_v1 --concurrent --rounds 2 \
-             --max-tokens 128 --think-ms 0 --stagger-ms 0 --g1-gb 16 --timeout 300 --passes 2 >"$R/$s.log" 2>&1 ;;
+    tput8|tput8g) O="--timeout 300"; F=tput8k_${TPUT_TAG:-runner}
+             [ $s = tput8g ] && { O="--timeout 600 --cuda-graphs"; F=${F}_graphs; }
+             KVBM_CONNECTOR_TRACE=$R/t8k_$s.jsonl $T "$R/$F.jsonl" \
+               ${TPUT_SYSTEMS:-baseline,baseline_v1,ours_layerwise,ours_layerwise_v1} --concurrent --rounds 2 \
+               --max-tokens 128 --think-ms 0 --stagger-ms 0 --g1-gb 16 $O --passes ${TPUT_PASSES:-2} >"$R/$s.log" 2>&1 ;;
     storegil) C=kvbm_worker/handlers/cuda_copier.py; rm -rf /tmp/kvhold; cp -a . /tmp/kvhold
               sed -i 's/release=stream is self.streams\[Direction.D2H\])/release=False)/' /tmp/kvhold/$C
               if cmp -s $C /tmp/kvhold/$C; then echo "storegil: the revert did not apply" >"$R/$s.log"; false
