@@ -54,13 +54,18 @@ OURS = {"ours": {}, "ours_sync": {"load_mode": "sync"}, "ours_async": {"load_mod
 #: per layer: a copy per page); the V1 runner allocates one cross-layer buffer (2026-11-27,
 #: twenty-first session: lmcache_v1, ours_layerwise_v1, baseline_v1)
 V1 = "_v1"
+#: a system's name ending in this (before any ``_v1``) runs its connector with every hook timed
+#: (``hook_cost.py``: what the hooks cost the engine's thread per step, into the connector trace)
+HOOKS = "_hooks"
 BASE_SYSTEMS = ("recompute", "baseline", "null", "native", "lmcache", "lmcache_timed", "dynamo", *OURS)
-SYSTEMS = (*BASE_SYSTEMS, *(n + V1 for n in BASE_SYSTEMS))
+HOOKED = tuple(n + HOOKS for n in ("null", "lmcache", *OURS))
+SYSTEMS = (*BASE_SYSTEMS, *HOOKED, *(n + V1 for n in (*BASE_SYSTEMS, *HOOKED)))
 
 
 def base_system(name):
-    """The system ``name`` runs (``lmcache_v1`` -> ``lmcache``)."""
-    return name[:-len(V1)] if name.endswith(V1) else name
+    """The system ``name`` runs (``lmcache_v1`` -> ``lmcache``, ``ours_hooks_v1`` -> ``ours``)."""
+    name = name[:-len(V1)] if name.endswith(V1) else name
+    return name[:-len(HOOKS)] if name.endswith(HOOKS) else name
 
 
 def system_kwargs(name, g2_gb, pass_index=0):
@@ -113,4 +118,7 @@ def system_kwargs(name, g2_gb, pass_index=0):
             env.update(CUDA_MODULE_LOADING="EAGER")
     else:
         raise SystemExit(f"unknown system {name}")
+    if full.removesuffix(V1).endswith(HOOKS):  # the same connector, its hooks timed
+        ktc = kw["kv_transfer_config"]
+        ktc.update(kv_connector="Costed" + ktc["kv_connector"], kv_connector_module_path="benchmarks.hook_cost")
     return kw, env
