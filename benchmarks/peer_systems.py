@@ -8,9 +8,10 @@ import os
 #: systems whose connector does work in vLLM's per-layer hooks (wait_for_layer_load / save_kv_layer)
 #: without declaring requires_piecewise_for_cudagraph (vLLM 0.26 then keeps FULL graphs, whose
 #: replays skip the hooks): under --cuda-graphs they get PIECEWISE graphs. Dynamo KVBM 1.6.1's
-#: save_kv_layer records a CUDA event per layer; the native connector's hooks are no-ops, kvbm's
-#: wait only under load_mode layerwise ("ours_layerwise"), which declares PIECEWISE itself, as
-#: LMCache does when it is layerwise (not here).
+#: save_kv_layer records a CUDA event per layer; the native connector's hooks are no-ops. kvbm's
+#: wait only under load_mode layerwise ("ours_layerwise") and only in steps that load, which are
+#: never uniform decode batches (FULL graphs): it keeps FULL_AND_PIECEWISE since 2026-11-27
+#: (twenty-second session; PIECEWISE before). LMCache declares PIECEWISE when layerwise (not here).
 LAYER_HOOKS = ("dynamo",)
 #: kvbm's variants: the connector's kv_connector_extra_config over its defaults ("ours": load_mode
 #: auto, early loads on where safe); ours_layerwise_noearly: the worker role starts every load (A/B);

@@ -92,9 +92,9 @@ class FakeEarly:
 
 
 def make(leader: FakeLeader, mode: str = "sync", early=None, overlapping_steps: int = 1,
-         store_blocks: bool = True) -> SchedulerCore:
+         store_blocks: bool = True, min_computed_tokens: int = 1) -> SchedulerCore:
     settings = ConnectorSettings("unix:/l", "unix:/w-{id}", "model|float16|4", 1.0, 1.0, load_mode=mode,
-                                 store_blocks=store_blocks)
+                                 store_blocks=store_blocks, min_computed_tokens=min_computed_tokens)
     return SchedulerCore(BS, settings, leader, lambda r: r.extras, early, overlapping_steps=overlapping_steps)
 
 
@@ -152,6 +152,18 @@ def test_a_hit_is_loaded_into_the_blocks_after_the_local_prefix_and_not_stored_a
     assert plan.loads == [load]
     assert plan.stores == [], "the loaded blocks are in kvbm already"
     assert core.lookup(req, 5 * BS) == (0, False), "a request loads once"
+
+
+@pytest.mark.parametrize("length,least,loaded", [(21, 1, 5), (21, 2, 4), (22, 2, 5), (23, 5, 4), (20, 1, 4),
+                                                 (20, 2, 4), (6, 5, 0)])
+def test_a_hit_leaves_the_engine_at_least_min_computed_tokens_to_compute(length, least, loaded):
+    # (layer-pipelined loads under FULL decode graphs: a step computing only a decode query's
+    # worth of tokens could run as a FULL graph, which skips the layer hooks)
+    leader = FakeLeader()
+    run_prefill(make(leader), Request("x", list(range(40))), list(range(10)))
+    core = make(leader, mode="layerwise", min_computed_tokens=least)
+    tokens, _ = core.lookup(Request("y", list(range(length))), 0)
+    assert tokens == loaded * BS and length - tokens >= least
 
 
 def test_an_asynchronous_hit_is_answered_the_same_while_the_request_waits():

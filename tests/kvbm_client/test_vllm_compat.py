@@ -171,3 +171,44 @@ def test_kernel_blocks_that_are_not_vllm_blocks_are_refused(compat):
     compat.check_block_count(100, None)  # unknown: nothing to check
     with pytest.raises(ValueError, match="kernel blocks"):
         compat.check_block_count(200, SimpleNamespace(num_blocks=100))
+
+
+class _Mode:
+    """A stand-in for vLLM's ``CUDAGraphMode``: a plain mode, or a (decode, mixed) pair."""
+
+    def __init__(self, decode: str, mixed: str | None = None) -> None:
+        self.name = decode if mixed is None else f"{decode}_AND_{mixed}"
+        self._pair = (decode, decode if mixed is None else mixed)
+
+    def decode_mode(self):
+        return SimpleNamespace(name=self._pair[0])
+
+    def mixed_mode(self):
+        return SimpleNamespace(name=self._pair[1])
+
+
+def graphs(mode, spec=None):
+    config = SimpleNamespace(compilation_config=SimpleNamespace(cudagraph_mode=mode))
+    if spec is not None:
+        config.num_speculative_tokens = spec
+    return config
+
+
+@pytest.mark.parametrize("mode,expected", [(_Mode("FULL", "PIECEWISE"), ("FULL", "PIECEWISE")),
+                                           (_Mode("PIECEWISE"), ("PIECEWISE", "PIECEWISE")),
+                                           (_Mode("FULL"), ("FULL", "FULL")), (_Mode("FULL", "NONE"), ("FULL", "NONE")),
+                                           (_Mode("NONE"), ("NONE", "NONE")), (None, ("NONE", "NONE"))])
+def test_cuda_graph_modes_of_decode_and_mixed_batches(compat, mode, expected):
+    assert compat.cuda_graph_modes(graphs(mode)) == expected
+    assert compat.cuda_graph_modes(SimpleNamespace()) == ("NONE", "NONE")
+
+
+@pytest.mark.parametrize("mode,spec,expected", [
+    (_Mode("FULL", "PIECEWISE"), None, 2),  # vLLM's default: a load's step must not be a uniform decode batch
+    (_Mode("FULL", "PIECEWISE"), 3, 5),     # with 3 speculative tokens a decode query is 4 tokens
+    (_Mode("FULL", "NONE"), 0, 2),          # FULL_DECODE_ONLY: other batches eager
+    (_Mode("PIECEWISE"), 3, 1), (_Mode("NONE"), None, 1), (None, None, 1),  # the hooks always run
+    (_Mode("FULL"), None, None),            # every batch a FULL graph: the hooks never run
+])
+def test_layerwise_loads_fit_every_graph_mode_but_full(compat, mode, spec, expected):
+    assert compat.layerwise_graph_fit(graphs(mode, spec)) == expected

@@ -129,8 +129,8 @@ class SchedulerCore:
         if state.miss_at == (num_computed_tokens, num_tokens):
             return 0, False  # asked again while the request waits for space: same miss
         # NOTE: at least the last prompt token is computed by the engine: it needs its logits
-        # (and vLLM's CPU kernels crash, SIGILL, on a prompt that arrives whole).
-        last = (num_tokens - 1) // self.block_size
+        # (and vLLM's CPU kernels crash, SIGILL, on a prompt that arrives whole); see min_computed_tokens.
+        last = (num_tokens - self.settings.min_computed_tokens) // self.block_size
         if first >= last or state.load_sent:
             return 0, False
         t0 = time.perf_counter()

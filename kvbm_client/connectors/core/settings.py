@@ -24,7 +24,7 @@ class LoadMode(str, enum.Enum):
     ASYNC = "async"
     #: a synchronous load whose forward waits per layer: the daemon copies it in
     #: ``layer_groups`` groups in layer order and the forward of layer L waits only for L's
-    #: pages (the engine's layer hooks; under CUDA graphs they need PIECEWISE). Never chosen
+    #: pages (the engine's layer hooks, which FULL CUDA graphs skip: ``min_computed_tokens``). Never chosen
     #: by ``auto``: a failed load is recomputed like a failed synchronous one.
     LAYERWISE = "layerwise"
     #: the engine's connector picks one of the two (the configured default): synchronous
@@ -138,6 +138,10 @@ class ConnectorSettings:
     #: Default ``tail`` since 2026-11-26 (tenth session): 20K eager 6.4-6.6 % faster than ``eager``
     #: on two H100s (both reproduced), greedy with graphs and the stress run identical
     gpu_layer_waits: GpuWaits = GpuWaits.TAIL
+    #: the fewest tokens of a prompt the engine computes itself when kvbm loads the rest: the
+    #: last one (its logits); more where a step with few new tokens would run as a FULL CUDA
+    #: graph that skips the layer hooks (the vLLM connector's ``compat.layerwise_graph_fit``)
+    min_computed_tokens: int = 1
     #: plan each step's stores off the scheduler's thread (the leader's ``PrepareStore`` runs
     #: while the step does; the stores ship with the next step, :mod:`.store_planner`); false:
     #: on the scheduler's thread, before the step runs (the behaviour before 2026-11-26).

@@ -114,6 +114,43 @@ def auto_load_mode(vllm_config) -> tuple[str, str]:
     return "sync", "vLLM's V1 model runner, one step at a time, recomputes a failed synchronous load correctly"
 
 
+def cuda_graph_modes(vllm_config) -> tuple[str, str]:
+    """``(decode, mixed)``: the CUDA graph mode ("FULL", "PIECEWISE" or "NONE") vLLM runs a
+    uniform decode batch in (every request's query one decode step: 1 + speculative tokens), and
+    every other batch in. vLLM's default FULL_AND_PIECEWISE is ("FULL", "PIECEWISE"); eager and
+    the CPU build are ("NONE", "NONE")."""
+    mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
+    try:
+        return mode.decode_mode().name, mode.mixed_mode().name
+    except AttributeError:  # no graphs, or a vLLM without the mode
+        return "NONE", "NONE"
+
+
+def layerwise_graph_fit(vllm_config) -> int | None:
+    """The fewest prompt tokens a request with a layer-pipelined load must compute itself, or
+    None where such loads cannot run.
+
+    Their forward waits in vLLM's per-layer hooks, which the replay of a FULL CUDA graph skips
+    (vllm#29608). vLLM runs FULL graphs only for a batch whose requests all have the same query
+    length, that of one decode step (``1 + num_speculative_tokens``; V1 runner ``_is_uniform_decode``,
+    V2 runner ``get_uniform_token_count``), and other batches in PIECEWISE graphs (the hooks run
+    between the pieces) or eagerly. So a load whose request computes at least one token more than
+    a decode step never runs in a FULL graph, and decode keeps its FULL graphs: declaring
+    ``requires_piecewise_for_cudagraph`` instead made vLLM run every batch PIECEWISE, and decode
+    took 10.0 ms a token against 5.5 (8 requests, H200, 2026-11-27). Where every batch runs FULL
+    graphs (``cudagraph_mode`` FULL), the hooks never run: None."""
+    decode, mixed = cuda_graph_modes(vllm_config)
+    if mixed == "FULL":
+        return None
+    if decode != "FULL":
+        return 1  # (the last prompt token, whose logits the engine needs)
+    try:
+        spec = int(getattr(vllm_config, "num_speculative_tokens", 0) or 0)
+    except (TypeError, ValueError):
+        spec = 0
+    return 2 + spec
+
+
 def block_page(shape, strides) -> int | None:
     """Elements of one block's page when dim 0 indexes blocks and each block's slice is one
     dense range (any order of the other dims: vLLM 0.26 FlashAttention per-layer views are

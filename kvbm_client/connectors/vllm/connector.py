@@ -11,6 +11,7 @@ Supported vLLM: 0.26 - 0.32 (see :mod:`.compat`).
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
@@ -56,6 +57,14 @@ class KvbmConnector(KVConnectorBase_V1, SupportsHMA):
         self._settings = ConnectorSettings.from_extra(extra, compat.namespace(vllm_config),
                                                       engine_id=str(ktc.engine_id or ""),
                                                       auto_load_mode=LoadMode(auto_mode))
+        if self._settings.load_mode is LoadMode.LAYERWISE:
+            fit = compat.layerwise_graph_fit(vllm_config)
+            if fit is None:
+                log.warning("kvbm: load_mode layerwise needs vLLM's layer hooks, which cudagraph_mode FULL never runs; "
+                            "loading %s instead (FULL_AND_PIECEWISE, vLLM's default, keeps layerwise)", auto_mode)
+                self._settings = replace(self._settings, load_mode=LoadMode(auto_mode))
+            else:
+                self._settings = replace(self._settings, min_computed_tokens=fit)
         if configured_load_mode(extra) is LoadMode.AUTO:
             # NOTE: a warning when auto gives up the faster synchronous loads: the operator should
             # know why hits cost one engine step more (vLLM's engine process shows warnings only)
@@ -100,9 +109,10 @@ class KvbmConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any] | None) -> bool:
-        """Layer-pipelined loads wait in ``wait_for_layer_load``, which FULL CUDA graphs skip
-        (vllm#29608): vLLM then runs PIECEWISE graphs (attention outside the graphs)."""
-        return configured_load_mode(extra_config or {}) is LoadMode.LAYERWISE
+        """No, layer-pipelined loads included: FULL CUDA graphs skip the layer hooks (vllm#29608),
+        but vLLM's default runs them only for uniform decode batches, which a load's step never
+        is (``compat.layerwise_graph_fit``); declaring it would make every decode step PIECEWISE."""
+        return False
 
     @property
     def prefer_cross_layer_blocks(self) -> bool:
