@@ -119,7 +119,7 @@ def cuda_graph_modes(vllm_config) -> tuple[str, str]:
     uniform decode batch in (every request's query one decode step: 1 + speculative tokens), and
     every other batch in. vLLM's default FULL_AND_PIECEWISE is ("FULL", "PIECEWISE"); eager and
     the CPU build are ("NONE", "NONE")."""
-    mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
+    mode: Any = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
     try:
         return mode.decode_mode().name, mode.mixed_mode().name
     except AttributeError:  # no graphs, or a vLLM without the mode
