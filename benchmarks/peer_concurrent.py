@@ -53,14 +53,15 @@ class Plan:
 async def one_request(generate: Generate, prompt: list[int], rid: str, origin: float) -> dict[str, Any]:
     """Send one request and wait for its end: its row (``t0`` from ``origin``, TTFT, token gaps)."""
     t = time.perf_counter()
-    first, last, gaps, tokens, cached = None, t, [], [], 0
+    first, last, gaps, tokens, cached, seen = None, t, [], [], 0, 0
     async for tokens, cached in generate(prompt, rid):
         now = time.perf_counter()
         if first is None:
             first = now
-        elif tokens:
+        elif len(tokens) > seen:  # a gap per output that brought tokens (not a final empty one)
             gaps.append(now - last)
-        last = now
+        if len(tokens) > seen or first == now:
+            last, seen = now, len(tokens)
     if first is None:
         raise RuntimeError(f"request {rid} ended without an output")
     return {"tokens": len(prompt), "t0_s": round(t - origin, 4), "ttft_s": first - t, "end_s": round(last - origin, 4),

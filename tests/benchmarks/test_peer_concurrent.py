@@ -81,6 +81,17 @@ def test_token_gaps_and_throughput_with_more_than_one_token():
     assert "stranger_ttft_p50" not in s
 
 
+def test_an_output_without_new_tokens_is_no_gap():
+    async def repeats(prompt, rid):
+        for tokens in ([0], [0, 1], [0, 1], [0, 1, 2]):
+            await asyncio.sleep(0.01)
+            yield tokens, 0
+
+    (row,) = asyncio.run(pc.drive(repeats, turns(1, 1), [], pc.Plan()))
+    assert len(row["token_gaps_s"]) == 2 and row["output"] == [0, 1, 2]
+    assert row["token_gaps_s"][1] >= 0.018, "the gap runs from the last output that brought a token"
+
+
 def test_a_failed_request_fails_the_run():
     fake = FakeEngine(fail="u1r1")
     with pytest.raises(RuntimeError, match="engine died"):
