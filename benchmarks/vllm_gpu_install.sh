@@ -5,7 +5,7 @@
 # vllm_peers.py serves with dummy weights. Idempotent. Then: benchmarks/vllm_gpu_ttft.sh.
 # The tree is over 4 MiB since 2026-11-26, so the tree and one 60 MiB part no longer fit the device
 # tool's 64 MiB a call: re-split the bundle first (any part size works, the parts are concatenated):
-#   cat .carry/p?? > /tmp/b && rm .carry/p?? && split -b 50M -d -a 2 /tmp/b .carry/p   # p00..p09 (50M since 2026-11-27: the tree grew to 11.5 MB)
+#   cat .carry/p?? > /tmp/b && rm .carry/p?? && split -b 46M -d -a 2 /tmp/b .carry/p   # p00..p09 (46M since 2026-11-27: the tree is 13 MB; carry .whl in a call of its own)
 set -eu
 if [ ! -d .site/vllm ]; then
   mkdir -p /tmp/w
