@@ -86,7 +86,8 @@ def own_hooks(base: type) -> list[str]:
 
 def costed(base: type) -> type:
     """``base`` with each of its own hooks (:func:`own_hooks`) timed into a :class:`Costs` per instance."""
-    return type(f"Costed{base.__name__}", (base,), {name: _wrapped(name, getattr(base, name)) for name in own_hooks(base)})
+    hooks = {name: _wrapped(name, getattr(base, name)) for name in own_hooks(base)}
+    return type(f"Costed{base.__name__}", (base,), hooks)
 
 
 def __getattr__(name: str) -> type:

@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
+from peer_passes import quantile
+
 #: ``generate(prompt_token_ids, request_id) -> async iterator of (cumulative token ids, cached tokens)``
 Generate = Callable[[list[int], str], AsyncIterator[tuple[list[int], int]]]
 
@@ -111,14 +113,14 @@ def overlap_s(rows: list[dict[str, Any]]) -> float:
 def stats(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The run's figures beyond the warm / cold TTFT the harness reports for every mode: strangers'
     TTFT, token gaps (TPOT), output tokens per second, and the time requests overlapped."""
-    q = lambda v, p: sorted(v)[min(len(v) - 1, int(p * len(v)))]  # noqa: E731
     out: dict[str, Any] = {"requests": len(rows), "overlap_s": overlap_s(rows)}
     strange = [r["ttft_s"] for r in rows if r["kind"] == "stranger"]
     if strange:
-        out.update(stranger_ttft_p50=round(statistics.median(strange), 4), stranger_ttft_p90=round(q(strange, 0.9), 4))
+        out.update(stranger_ttft_p50=round(statistics.median(strange), 4),
+                   stranger_ttft_p90=round(quantile(strange, 0.9), 4))
     gaps = [g for r in rows for g in r["token_gaps_s"]]
     if gaps:
-        out.update(tpot_p50=round(statistics.median(gaps), 5), tpot_p90=round(q(gaps, 0.9), 5))
+        out.update(tpot_p50=round(statistics.median(gaps), 5), tpot_p90=round(quantile(gaps, 0.9), 5))
     span = max(r["end_s"] for r in rows) - min(r["t0_s"] for r in rows)
     out["out_tok_per_s"] = round(sum(len(r["output"]) for r in rows) / span, 1) if span > 0 else None
     return out

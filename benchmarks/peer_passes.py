@@ -57,6 +57,13 @@ def run_passes(systems: list[str], passes: int, run_one: Runner,
     return results
 
 
+def quantile(values: list[float], p: float) -> float:
+    """The ``p`` quantile of ``values`` as the harness reports it: the value at index
+    ``int(p * n)`` of the sorted values (the largest for p near 1)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(p * len(ordered)))]
+
+
 def spread(values: list[float]) -> float:
     """(max - min) / min: 0.1 = the slowest pass took 10 % longer than the fastest."""
     low = min(values)

@@ -28,9 +28,10 @@ kv-transfer-config JSON that the README documents.
 """
 import argparse, json, os, statistics, subprocess, sys, time
 
-from peer_passes import run_passes, summarize, summary_line
+from peer_passes import quantile, run_passes, summarize, summary_line
 from peer_systems import LAYER_HOOKS, SYSTEMS, base_system, system_kwargs
-from peer_workload import cold_prompts, warmup_prompts, workload, write_model_config  # noqa: F401 (engine_beside)
+from peer_workload import cold_prompts, warmup_prompts, workload, write_model_config
+
 
 def mode(args):
     return "graphs" if args.cuda_graphs else "eager"
@@ -78,15 +79,14 @@ def engine(args):
     t0 = time.time()
     if args.concurrent:
         import peer_concurrent as pc
-        llm, how = pc.async_engine(base, kw, native), "kv_offloading_size" if native is not None else (
-            "kv_transfer_config" if "kv_transfer_config" in kw else "plain")
+        llm = pc.async_engine(base, kw, native)
+        how = "kv_offloading_size" if native is not None else configured_by(kw)
         init_s = time.time() - t0
         turns = {}
         for r, u, prompt in workload(args.users, args.rounds, args.sys_len, args.ctx_len, args.turn_len):
             turns.setdefault(u, []).append((r, prompt))
         strangers = cold_prompts(args.ctx_len + args.sys_len)
-        plan = pc.Plan(stagger_ms=args.stagger_ms, think_ms=args.think_ms, strangers=args.strangers,
-                       stranger_gap_ms=args.stranger_gap_ms)
+        plan = concurrent_plan(args)
         rows = pc.run(llm, args.max_tokens, warmup_prompts(args), turns,
                       [next(strangers) for _ in range(args.strangers)], plan)
         return summarize_engine(args, how, init_s, llm, rows, {"concurrent": {**vars(plan), **pc.stats(rows)}})
@@ -101,7 +101,7 @@ def engine(args):
             print(json.dumps({"note": f"kv_offloading_size unsupported: {e}"}), flush=True)
     if llm is None:
         llm = LLM(**base, **kw)
-        how = "kv_transfer_config" if "kv_transfer_config" in kw else "plain"
+        how = configured_by(kw)
     init_s = time.time() - t0
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, detokenize=False, ignore_eos=True)
     for prompt in warmup_prompts(args):  # untimed
@@ -123,16 +123,28 @@ def engine(args):
     return summarize_engine(args, how, init_s, llm, rows, {})
 
 
+def configured_by(kw):
+    """How a system's engine kwargs configure its KV offloading (the result line's ``how``)."""
+    return "kv_transfer_config" if "kv_transfer_config" in kw else "plain"
+
+
+def concurrent_plan(args):
+    """--concurrent's :class:`peer_concurrent.Plan` (ValueError: a negative value)."""
+    from peer_concurrent import Plan
+    return Plan(stagger_ms=args.stagger_ms, think_ms=args.think_ms, strangers=args.strangers,
+                stranger_gap_ms=args.stranger_gap_ms)
+
+
 def summarize_engine(args, how, init_s, llm, rows, extra):
     """Print the engine's result line: warm (a user's later turns) and cold (its first) TTFT."""
     users = [x for x in rows if x.get("kind", "user") == "user"]
     warm = [x["ttft_s"] for x in users if x["round"] > 0]
     cold = [x["ttft_s"] for x in users if x["round"] == 0]
-    q = lambda v, p: sorted(v)[min(len(v) - 1, int(p * len(v)))]
     print(json.dumps({"system": args.system, "how": how, "init_s": round(init_s, 1), "mode": mode(args),
                       "warmup_turn": args.warmup_turn,
                       "cudagraph_mode": resolved_cudagraph_mode(llm),
-                      "warm_ttft_p50": round(statistics.median(warm), 4), "warm_ttft_p90": round(q(warm, 0.9), 4),
+                      "warm_ttft_p50": round(statistics.median(warm), 4),
+                      "warm_ttft_p90": round(quantile(warm, 0.9), 4),
                       "warm_ttft_mean": round(statistics.mean(warm), 4),
                       "cold_ttft_mean": round(statistics.mean(cold), 4),
                       "warm_cached_frac": round(sum(x["cached"] for x in users if x["round"] > 0) /
@@ -230,8 +242,11 @@ def parse_args(argv=None):
     if args.concurrent and (args.cold_before_warm or args.hit_sources):
         ap.error("--concurrent takes --strangers, not --cold-before-warm; and not --hit-sources (vLLM's counters "
                  "would mix overlapping requests)")
-    if min(args.stagger_ms, args.think_ms, args.stranger_gap_ms, args.strangers) < 0:
-        ap.error("--stagger-ms, --think-ms, --strangers and --stranger-gap-ms must be >= 0")
+    try:
+        concurrent_plan(args)  # (its checks, before any engine ran)
+    except ValueError as e:  # Plan's "<field> must be ...": named as its flag
+        field, rest = str(e).split(" ", 1)
+        ap.error(f"--{field.replace('_', '-')} {rest}")
     unknown = [n for n in ([args.system] if args.engine else args.systems.split(",")) if n not in SYSTEMS]
     if unknown:  # before any engine ran, not after an hour of them
         ap.error(f"unknown system(s) {unknown}: one of {', '.join(SYSTEMS)}")

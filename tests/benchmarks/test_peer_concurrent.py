@@ -130,12 +130,16 @@ def test_concurrent_mode_reaches_the_engine_process_with_its_plan():
     assert plain.concurrent is False
 
 
-@pytest.mark.parametrize("bad", [["--concurrent", "--cold-before-warm"], ["--concurrent", "--hit-sources"],
-                                 ["--concurrent", "--strangers", "-1"], ["--think-ms", "-5"]])
-def test_concurrent_mode_refuses_what_it_cannot_measure(bad, capsys):
+@pytest.mark.parametrize("bad,says", [(["--concurrent", "--cold-before-warm"], "--cold-before-warm"),
+                                      (["--concurrent", "--hit-sources"], "--hit-sources"),
+                                      (["--concurrent", "--strangers", "-1"], "--strangers must be >= 0"),
+                                      (["--think-ms", "-5"], "--think-ms must be >= 0"),
+                                      (["--stranger-gap-ms", "-1"], "--stranger-gap-ms must be >= 0")])
+def test_concurrent_mode_refuses_what_it_cannot_measure(bad, says, capsys):
     with pytest.raises(SystemExit) as e:
         vllm_peers.parse_args(bad)
-    assert e.value.code == 2 and "error:" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "error:" in err and says in err
 
 
 def test_the_result_line_counts_only_users_as_warm_and_cold(capsys):

@@ -119,3 +119,10 @@ def test_summary_line_flags_a_system_that_did_not_reproduce():
     assert "100.0/140.0 130.0/141.0" in line  # each pass's p50/p90, ms
     ok = by_slot([run("native", 0.100, 0.140, 0), run("native", 0.101, 0.141, 1)])["native"]
     assert "DID NOT" not in summary_line(ok) and "reproduced" in summary_line(ok)
+
+
+def test_quantile_is_the_value_at_int_p_n_of_the_sorted_values():
+    from peer_passes import quantile
+    assert quantile([5.0, 1.0, 3.0, 2.0, 4.0], 0.5) == 3.0
+    assert quantile([5.0, 1.0, 3.0, 2.0, 4.0], 0.9) == 5.0 and quantile([2.0], 0.9) == 2.0
+    assert quantile(list(map(float, range(10))), 0.9) == 9.0
