@@ -2,7 +2,7 @@
 (``DYN_KVBM_DISK_PERSIST``).
 
 Runs in the leader. The registry reports changes of ready G3 copies through the
-:class:`~.registry.DiskJournal` calls (:meth:`G3Index.stored`, :meth:`G3Index.removed`): they
+:class:`~.registry_types.DiskJournal` calls (:meth:`G3Index.stored`, :meth:`G3Index.removed`): they
 only queue the change, on the event loop. One writer thread owns the SQLite connection
 (:mod:`kvbm_client.g3_files`, WAL mode, ``synchronous=NORMAL``) and applies whatever has
 queued in one transaction (group commit); :meth:`G3Index.call` runs a function on that thread

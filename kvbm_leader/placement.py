@@ -34,7 +34,8 @@ from kvbm_client.ids import BlockHash, JobId, PlanKind, SlotId, Tier
 
 from .decisions import HostDiskMove, JobPlacement, Outcome
 from .policies.frequency import FrequencyFilter
-from .registry import BlockRegistry, DiskJournal
+from .registry import BlockRegistry
+from .registry_types import DiskJournal
 from .steps import CompletionStepper, LoadStepper, MatchStepper, StoreStepper
 
 __all__ = ["HostDiskMove", "JobPlacement", "Outcome", "PlacementPolicy", "store_demotion_limit"]
