@@ -152,11 +152,11 @@
 #             waits while a load runs, --store-yield-ms 200) and with --store-yield-ms 0 in turn (each
 #             its own service, the order reversed in pass 2), LMCache in the default's harness run;
 #             each run's worker log apart (worker_conc_*: "waited ... for loads" lines)
-#   fit20g    20K, CUDA graphs, one pass: LMCache and kvbm layerwise since it keeps vLLM's FULL_AND_PIECEWISE
-#             graphs (no requires_piecewise_for_cudagraph; compat.layerwise_graph_fit)
+#   fit20g    20K, CUDA graphs, FIT_PASSES passes (default 1): LMCache and kvbm layerwise since it keeps vLLM's
+#             FULL_AND_PIECEWISE graphs (no requires_piecewise_for_cudagraph; compat.layerwise_graph_fit)
 #   conc20l   conc20's users under a lighter load: 4 new 20K prompts 1.5 s apart, thinking 300 ms; LMCache and
 #             kvbm layerwise (its default) in one run, 2 passes (conc20's 10 prompts 400 ms apart kept vLLM's
-#             queue full: every TTFT was mostly waiting for the prefills ahead of it)
+#             queue full: every TTFT was mostly waiting for the prefills ahead of it); CONC_SYSTEMS changes the systems
 #   tput8     8K, eager, overlapping requests, 128 output tokens each (--concurrent --max-tokens 128,
 #             G1 16 GiB: decode, no G1 eviction): vLLM alone and kvbm layerwise, each under vLLM's
 #             defaults (V2 runner, async scheduling) and under the V1 runner one step at a time; 2 passes
@@ -302,9 +302,9 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
                 step "$s $n p$p done; store waits: $(grep -c 'for loads' "$R/worker_conc_${n}_p$p.log")"
               done
             done ;;
-    fit20g) peers lmcache,ours_layerwise ;;
+    fit20g) peers lmcache,ours_layerwise --passes ${FIT_PASSES:-1} ;;
     conc20l) KVBM_G2_GB=48 KVBM_CONNECTOR_TRACE=$R/t20k_conc_light.jsonl $T "$R/ttft20k_conc_light.jsonl" \
-               lmcache,ours_layerwise $A20 --concurrent --rounds 6 --g1-gb 8 --g2-gb 48 --strangers 4 \
+               ${CONC_SYSTEMS:-lmcache,ours_layerwise} $A20 --concurrent --rounds 6 --g1-gb 8 --g2-gb 48 --strangers 4 \
                --stranger-gap-ms 1500 --think-ms 300 --stagger-ms 100 --timeout 300 --passes 2 >"$R/$s.log" 2>&1 ;;
     tput8|tput8g) O="--timeout 300"; F=tput8k_${TPUT_TAG:-runner}
              [ $s = tput8g ] && { O="--timeout 600 --cuda-graphs"; F=${F}_graphs; }

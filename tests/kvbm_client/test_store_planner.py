@@ -126,6 +126,33 @@ def test_only_steps_with_many_new_blocks_are_planned_off_the_thread():
     core.shutdown()
 
 
+def test_with_without_loads_a_step_that_loads_nothing_is_planned_off_the_thread_whatever_its_size():
+    """``async_decode_store_plans``: a step without a load (a decode step's one new block too) is
+    planned on the planner's thread; a step that loads is still planned on the scheduler's thread
+    below ``min_keys`` (its round trip hides behind the load's copy)."""
+    leader = FilteredLeader()
+    settings = ConnectorSettings("unix:/l", "unix:/w-{id}", "model|float16|4", 1.0, 1.0)
+    core = SchedulerCore(BS, settings, leader, lambda r: r.extras,
+                         store_planner=StorePlanner(leader, 5.0, min_keys=64, without_loads=True))
+    a = Request("a", list(range(13)))
+    start(core, a, [1, 2, 3, 4])
+    assert core.step({"a": 13}).stores == []  # 3 new blocks, no load: asked for off the thread
+    assert [s.engine_blocks for s in core.step({"a": 13}).earlier_stores] == [[1, 2, 3]]
+    b = Request("b", list(range(13)) + [50, 51, 52, 53])
+    assert core.lookup(b, 0) == (3 * BS, False)  # a's three blocks
+    core.allocated("b", [5, 6, 7, 8, 9], 3 * BS)
+    core.assign_blocks("b", [5, 6, 7, 8, 9], replace=True)
+    plan = core.step({"b": 17})  # the load into 5-7, and block 8 computed: planned here
+    assert [x.engine_blocks for x in plan.loads] == [[5, 6, 7]]
+    assert [s.engine_blocks for s in plan.stores] == [[8]] and plan.earlier_stores == []
+    b.all_token_ids += [60, 61, 62, 63]
+    plan = core.step({"b": 21})  # decoding completes block 9: off the thread again
+    assert plan.stores == [] and plan.loads == []
+    assert [s.engine_blocks for s in core.step({"b": 21}).earlier_stores] == [[9]]
+    assert leader.threads == ["kvbm-store-plan_0", "MainThread", "kvbm-store-plan_0"]
+    core.shutdown()
+
+
 def test_a_request_that_ends_before_its_stores_ship_keeps_its_blocks_until_they_are_done():
     leader = GatedLeader()
     leader.gate.clear()

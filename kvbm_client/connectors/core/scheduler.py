@@ -4,16 +4,10 @@ Runs on the engine's scheduler thread (one per engine: vLLM's EngineCore, Tensor
 rank 0). Speaks in request ids, token ids, kvbm block keys and engine block ids; an engine
 adapter translates its hooks into these calls, in this order per request:
 
-1. :meth:`SchedulerCore.lookup` (vLLM ``get_num_new_matched_tokens``): the first time, one
-   ``PrepareLoad`` that matches, counts the hit and pins the stored prefix after the
-   engine's own (local) prefix; returns ``(tokens to load, asynchronous)``. When the leader's
-   presence filter rules out the first block asked for, it is a miss without a round trip
-   (the leader is told with the next call, for its hit rates). Asked again
-   while the request waits, it answers the same without a round trip as long as the
-   engine's own prefix is the same length and the plan is not past its deadline; else it
-   releases the plan and plans again (the engine counts the loaded tokens after the local
-   prefix of the call it acted on: a plan for another start would land in blocks the engine
-   does not count as loaded).
+1. :meth:`SchedulerCore.lookup` (vLLM ``get_num_new_matched_tokens``): at most one pinned
+   ``PrepareLoad`` per request, answered again without a round trip while still valid, a miss
+   without one when the presence filter rules the prefix out; returns ``(tokens to load,
+   asynchronous)`` (:mod:`.lookup`).
 2. :meth:`SchedulerCore.allocated` (``update_state_after_alloc``): the engine gave the
    request its blocks; the load is planned into them, or released when the engine took no
    external tokens.
@@ -23,9 +17,10 @@ adapter translates its hooks into these calls, in this order per request:
    returns the :class:`StepPlan` to send to the workers (loads, stores, delayed frees, fence).
    With a :class:`~.store_planner.StorePlanner` the ``PrepareStore`` runs on its thread while
    the step runs, and its stores ship with the next step (``earlier_stores``), for a step with
-   at least ``StorePlanner.min_keys`` new blocks (a smaller one is answered here: its round
-   trip is short, and hidden behind a load's copy); a request counts as having stores from the
-   moment they are asked for.
+   at least ``StorePlanner.min_keys`` new blocks, or any that loads nothing where the planner
+   takes those (``StorePlanner.takes``; a smaller step is answered here: its round trip is
+   short, and hidden behind a load's copy); a request counts as having stores from the moment
+   they are asked for.
    The step's loads are started early on the worker daemons here, unless this step or one
    still in flight (``overlapping_steps``) fences: a block the engine took back from a
    preempted request may be the destination of a load while a store still reads it, and only
@@ -54,6 +49,7 @@ from ...ids import BlockHash, EngineBlockId
 from .block_holds import BlockHolds
 from .early_loads import EarlyLoads
 from .leader_link import LeaderPort
+from .lookup import HitLookup
 from .prefill import PrefillMeter
 from .request_keys import EngineRequest, ExtrasOf, KeyHasher, RequestState, Span
 from .settings import ConnectorSettings
@@ -93,6 +89,7 @@ class SchedulerCore:
         self.prefill = PrefillMeter(settings.prefill_tokens_per_s)
         #: the requests' block keys, hashed on this thread and on the store planner's
         self.hasher = KeyHasher()
+        self._lookup = HitLookup(block_size, settings, leader, self.hasher, self.prefill)
         #: the blocks stores read, pinned in the engine's pool (None: delayed frees instead);
         #: set by the adapter before the first step
         self.holds: BlockHolds | None = None
@@ -117,68 +114,8 @@ class SchedulerCore:
     # ------------------------------------------------------------------ 1. lookup
     def lookup(self, request: EngineRequest, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens kvbm loads after the engine's ``num_computed_tokens`` local ones, and
-        whether the load is asynchronous (the request then waits for it)."""
-        state = self._track(request)
-        asynchronous = not self.settings.sync_loads
-        first = num_computed_tokens // self.block_size
-        if state.load is not None and not state.load_sent:
-            if self._still_valid(state, first):
-                return state.load.num_blocks * self.block_size, asynchronous  # asked again: same answer
-            self._release(state)  # the engine's own prefix changed meanwhile, or the plan expired
-        num_tokens = len(request.all_token_ids)
-        if state.miss_at == (num_computed_tokens, num_tokens):
-            return 0, False  # asked again while the request waits for space: same miss
-        # NOTE: at least the last prompt token is computed by the engine: it needs its logits
-        # (and vLLM's CPU kernels crash, SIGILL, on a prompt that arrives whole); see min_computed_tokens.
-        last = (num_tokens - self.settings.min_computed_tokens) // self.block_size
-        if first >= last or state.load_sent:
-            return 0, False
-        t0 = time.perf_counter()
-        probe = self.hasher.probe(state, first)
-        if probe is not None and not self._leader.may_hold(probe):
-            # a prefix match finds nothing: a miss without a round trip, and the request's blocks
-            # are hashed when they are stored (off this thread for a big step: see step)
-            self._leader.unasked(last - first)
-            state.miss_at = (num_computed_tokens, num_tokens)
-            log.debug("kvbm miss %s: %d blocks after %d local, none stored (presence filter)", request.request_id,
-                      last - first, first)
-            if tracing():
-                trace("prepare_load", req=request.request_id, asked=last - first, planned=0, ms=0.0,
-                      hash_ms=round((time.perf_counter() - t0) * 1e3, 3), reused=0, unasked=True)
-            return 0, False
-        keys = self.hasher.keys(state)
-        t1 = time.perf_counter()
-        last = min(len(keys), last)
-        if first >= last:
-            return 0, False
-        rate = self.prefill.tokens_per_s if self.settings.cost_aware_loads else 0.0
-        handle = self._leader.prepare_load(keys[first:last], count_hit=True, tokens_per_block=self.block_size,
-                                           prefill_tokens_per_s=rate)
-        if tracing():
-            trace("prepare_load", req=request.request_id, asked=last - first,
-                  planned=handle.num_blocks if handle is not None else 0,
-                  ms=round((time.perf_counter() - t1) * 1e3, 2), hash_ms=round((t1 - t0) * 1e3, 3),
-                  reused=state.identity.reused if state.identity is not None else 0)
-        if handle is not None and handle.skipped_cost:
-            log.debug("kvbm %s: %d matched blocks recomputed, not loaded (faster at %.0f prefill tokens/s)",
-                      request.request_id, handle.skipped_cost, rate)
-        if handle is None or handle.is_empty:
-            if handle is not None:
-                state.miss_at = (num_computed_tokens, num_tokens)
-            return 0, False
-        state.load, state.load_first_block = handle, first
-        log.debug("kvbm hit %s: %d blocks after %d local (%s load)", request.request_id, handle.num_blocks, first,
-                  self.settings.load_mode.value)
-        return handle.num_blocks * self.block_size, asynchronous
-
-    @staticmethod
-    def _still_valid(state: RequestState, first: int) -> bool:
-        """The held plan may be answered again: it starts where the engine's own prefix ends
-        now (a plan for another start would land where the engine does not count it) and its
-        deadline has not passed (the worker daemon would refuse it)."""
-        assert state.load is not None
-        live = state.load.deadline <= 0 or time.monotonic() < state.load.deadline
-        return state.load_first_block == first and live
+        whether the load is asynchronous (the request then waits for it): see :mod:`.lookup`."""
+        return self._lookup.ask(self._track(request), num_computed_tokens)
 
     # ------------------------------------------------------------------ 2. allocation
     def pending_load(self, req_id: str) -> bool:
@@ -196,7 +133,7 @@ class SchedulerCore:
         if num_external_tokens is None:
             num_external_tokens = state.load.num_blocks * self.block_size
         if num_external_tokens == 0:
-            self._release(state)
+            self._lookup.release(state)
             return
         n = num_external_tokens // self.block_size
         first = state.load_first_block
@@ -210,11 +147,6 @@ class SchedulerCore:
         state.num_stored = max(state.num_stored, first + n)
         if tracing():
             trace("allocated", req=req_id, blocks=n)
-
-    def _release(self, state: RequestState) -> None:
-        if state.load is not None and not state.load_sent:
-            self._leader.release(state.load)
-        state.load = None
 
     # ------------------------------------------------------------------ 3. step
     def assign_blocks(self, req_id: str, block_ids: Iterable[int], replace: bool) -> None:
@@ -266,7 +198,7 @@ class SchedulerCore:
             spec = self._narrow(hold, self._planner.collect())
             if spec is not None:
                 plan.earlier_stores.append(spec)
-        if self._planner is not None and len(blocks) >= self._planner.min_keys:
+        if self._planner is not None and self._planner.takes(len(blocks), loading=bool(plan.loads)):
             for req_id in set(owners):
                 self._reqs[req_id].has_stores = True  # before the answer: see store_planner
             self._asked_hold = self.holds.hold(blocks) if self.holds is not None else 0  # (before the answer too)
@@ -338,7 +270,7 @@ class SchedulerCore:
         state = self._reqs.pop(RequestId(req_id), None)
         if state is None:
             return False
-        self._release(state)
+        self._lookup.release(state)
         if state.has_stores and self.holds is None:
             self._delayed.append(RequestId(req_id))
             return True

@@ -85,16 +85,25 @@ class StorePlanner:
             (the vLLM connector's: ``async_store_min_blocks``, see
             :data:`.settings.DEFAULT_ASYNC_STORE_MIN_BLOCKS`); the scheduler core plans smaller
             steps on its own thread.
+        without_loads: a step that loads nothing is planned here whatever its number of new
+            blocks (``async_decode_store_plans``): no load's copy hides its round trip on the
+            scheduler's thread, and no load's forward competes with this thread for the GIL.
         wait_s: how long :meth:`collect` waits for an answer still on its way (the leader
             link's own timeout, with one retry, bounds the call itself; this is a backstop).
     """
 
-    def __init__(self, leader: LeaderPort, wait_s: float = 10.0, min_keys: int = 1) -> None:
+    def __init__(self, leader: LeaderPort, wait_s: float = 10.0, min_keys: int = 1,
+                 without_loads: bool = False) -> None:
         self._leader = leader
         self.min_keys = max(1, min_keys)
+        self.without_loads = without_loads
         self._wait_s = wait_s
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvbm-store-plan")
         self._asked: _Asked | None = None
+
+    def takes(self, num_keys: int, loading: bool) -> bool:
+        """Whether a step with ``num_keys`` new blocks (``loading``: and a load) is planned here."""
+        return num_keys >= self.min_keys or (self.without_loads and not loading and num_keys > 0)
 
     def submit(self, keys: Keys, blocks: list[EngineBlockId], owners: list[RequestId]) -> None:
         """Ask for the stores of the blocks ``keys()`` keys (entry i: block ``blocks[i]`` of request

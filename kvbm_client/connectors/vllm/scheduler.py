@@ -90,7 +90,8 @@ class KvbmConnectorScheduler:
         planner = None
         if settings.async_store_plans:
             planner = StorePlanner(store_leader or leader or LeaderLink(settings, "vllm-stores"),
-                                   wait_s=4 * settings.timeout_s + 1.0, min_keys=settings.async_store_min_blocks)
+                                   wait_s=4 * settings.timeout_s + 1.0, min_keys=settings.async_store_min_blocks,
+                                   without_loads=settings.async_decode_store_plans)
         self.core = SchedulerCore(block_size, settings, leader or LeaderLink(settings, "vllm-scheduler"),
                                   request_extras, early, overlapping_steps=overlapping_steps, store_planner=planner)
 
