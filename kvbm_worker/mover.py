@@ -2,8 +2,9 @@
 slots) and G3 (the disk file, through a bounce buffer), verifying G3 (and optionally G2).
 
 Runs in the worker daemon; :meth:`BlockMover.run` is synchronous, on a lane thread (:mod:`.lanes`).
-A template: this class does the tier split, demotions, promotions, the bounce-buffer pipeline to
-and from disk, checksums and time checks; a medium supplies how engine pages reach slot rows
+A template: this class does the tier split, the engine <-> G2 copies, checksums and time checks,
+its base :class:`~.disk_copies.DiskCopies` the G3 side (demotions, promotions, the bounce-buffer
+pipeline to and from disk); a medium supplies how engine pages reach slot rows
 (:meth:`_to_slots` / :meth:`_from_slots`: numpy on a CPU engine's shared memory here,
 :class:`~.handlers.cuda.CudaMover` for CUDA IPC regions). A G2 store's pieces wait while a load
 runs (:mod:`.loads_first`).
@@ -35,20 +36,21 @@ import numpy.typing as npt
 from kvbm_client.ids import PlanKind, Tier
 
 from .bounce import BounceBuffer
-from .checksums import SlotSums, digest
+from .checksums import SlotSums
 from .errors import CopyExpired, SlotsFailed
 from .handlers import cpu
-from .handlers.disk_guard import DiskHung, DiskTimeout, TimedDiskIO
+from .disk_copies import DiskCopies
+from .handlers.disk_guard import TimedDiskIO
 from .id_arrays import EngineBlocks, Slots
 from .grouping import DMA_FLOOR_BPS, GroupPacing, Grouping as Grouping, group_pieces, groupable
-from .jobs import JobKey, PieceTimes, ThreadUsage
+from .jobs import PieceTimes, ThreadUsage
 from .lanes import Lane
 from .loads_first import STORE_YIELD_MS, LoadsFirst
 from .pending import DONE, Pending
 from .plan_check import Batch
 from .pools import DiskPool, HostPool
 from .regions import EngineRegion
-from .runs import chunks, segments
+from .runs import chunks
 from .signals import SignalWriter
 
 Ids = npt.NDArray[np.int64]
@@ -56,7 +58,7 @@ Rows = npt.NDArray[np.uint8]
 HOST_CHUNK_BYTES = 256 << 20  # engine <-> G2 copies are cut here, to check the time in between
 
 
-class BlockMover:
+class BlockMover(DiskCopies):
     """Moves bytes for one worker's pools (one pool epoch). Owns the bounce buffers and the G2
     checksum table; borrows the pools (None: a tier is off; the G3 table belongs to the G3 file)
     and the timed G3 I/O. ``host_checksums``: ``DYN_KVBM_HOST_CHECKSUMS``; ``clock``: monotonic;
@@ -156,10 +158,6 @@ class BlockMover:
         assert self.host is not None, "a plan names G2 on a worker without G2"
         return self.host
 
-    def _sums(self) -> SlotSums:
-        assert self.disk_sums is not None, "a plan names G3 on a worker without G3"
-        return self.disk_sums
-
     @staticmethod
     def _verify(sums: SlotSums, tier: Tier, slots: Slots, rows: Rows, picks: Ids) -> npt.NDArray[np.uint64]:
         bad, computed = sums.verify(slots, rows, picks)
@@ -240,144 +238,6 @@ class BlockMover:
                 turn.log(len(blocks))
         if kind is PlanKind.LOAD:
             self._check_time(until)  # the source slots were still ours while they were read
-
-    # ------------------------------------------------------------------ G3 I/O
-    def _disk_io(self) -> TimedDiskIO:
-        assert self.disk_io is not None and self.disk is not None, "a plan names G3 on a worker without G3"
-        return self.disk_io
-
-    def _disk_runs(self, addrs: Ids, slots: Slots) -> tuple[list[int], list[int], list[int]]:
-        """Consecutive slots at consecutive addresses become one I/O."""
-        assert self.disk is not None
-        unit = self.disk.geometry.slot_bytes
-        a, o, n = segments(addrs, slots * unit, unit)
-        return a.tolist(), o.tolist(), n.tolist()
-
-    def _write_disk(self, addrs: Ids, slots: Slots, sums: npt.NDArray[np.uint64], hold: object,
-                    writer: JobKey) -> None:
-        """Host memory at ``addrs`` -> G3 ``slots`` for ``writer``'s job (checksums ``sums``)."""
-        table = self._sums()
-        table.forget(slots)
-        self._disk_io().write(*self._disk_runs(addrs, slots), hold=hold)
-        table.record(slots, sums, writer)
-
-    def _read_rows(self, bounce: BounceBuffer, rows: Ids, slots: Slots) -> npt.NDArray[np.uint64]:
-        """Read G3 ``slots`` into ``bounce`` rows and verify them; returns their checksums."""
-        try:
-            self._disk_io().read(*self._disk_runs(bounce.address(rows), slots), hold=bounce.slots)
-        except DiskTimeout as exc:
-            raise SlotsFailed(Tier.DISK, slots.tolist(), f"could not be read: {exc}") from None
-        except DiskHung:
-            raise  # nothing was read: the slots are not at fault
-        except OSError as exc:
-            raise SlotsFailed(Tier.DISK, self._unreadable(bounce, rows, slots), f"could not be read: {exc}") from None
-        return self._verify(self._sums(), Tier.DISK, slots, bounce.slots, rows)
-
-    def _unreadable(self, bounce: BounceBuffer, rows: Ids, slots: Slots) -> list[int]:
-        """After a failed read of several slots (a truncated file): those that fail alone (read or
-        checksum), so only their copies are dropped (all if the disk fails every one)."""
-        bad: list[int] = []
-        for i in range(len(slots)):
-            one, row = Slots(slots[i:i + 1]), rows[i:i + 1]
-            try:
-                self._disk_io().read(*self._disk_runs(bounce.address(row), one), hold=bounce.slots)
-            except DiskHung:
-                raise
-            except OSError:
-                bad.append(int(one[0]))
-                continue
-            mismatched, _ = self._sums().verify(one, bounce.slots, row)
-            bad.extend(int(s) for s in mismatched)
-        return bad or slots.tolist()
-
-    def _store_disk(self, region: EngineRegion, blocks: EngineBlocks, slots: Slots, until: float,
-                    writer: JobKey) -> None:
-        """The engine copy of chunk k+1 (into one bounce half) overlaps the disk write of chunk k."""
-        self._disk_io().check()  # a stuck call may still use the bounce rows
-        bounce = self.bounce[Lane.STORE]
-        issued: list[Pending] = []
-        pending: tuple[Pending, Ids, Slots] | None = None
-
-        def write_out(copy: Pending, rows: Ids, to: Slots) -> None:
-            copy.wait()
-            self._check_time(until)
-            sums = digest(bounce.slots, rows, self._sums().block_bytes)
-            self._write_disk(bounce.address(rows), to, sums, bounce.slots, writer)
-
-        try:
-            for k, (lo, hi) in enumerate(chunks(len(blocks), bounce.per_chunk)):
-                rows = bounce.rows(k, hi - lo)
-                if pending is not None and not bounce.overlaps:
-                    write_out(*pending)
-                    pending = None
-                issued.append(self._to_slots(region, EngineBlocks(blocks[lo:hi]), bounce.slots, rows))
-                if pending is not None:
-                    write_out(*pending)
-                pending = (issued[-1], rows, Slots(slots[lo:hi]))
-            if pending is not None:
-                write_out(*pending)
-        finally:
-            for copy in issued:  # no engine copy may still write a bounce row after we return
-                copy.wait()
-
-    def _load_disk(self, region: EngineRegion, blocks: EngineBlocks, slots: Slots, until: float) -> None:
-        """The disk read (and check) of chunk k+1 overlaps the engine copy of chunk k."""
-        self._disk_io().check()
-        bounce = self.bounce[Lane.LOAD]
-        inflight: list[Pending | None] = [None, None]
-        try:
-            for k, (lo, hi) in enumerate(chunks(len(blocks), bounce.per_chunk)):
-                for half in ((k % 2,) if bounce.overlaps else (0, 1)):
-                    copy = inflight[half]
-                    if copy is not None:
-                        copy.wait()
-                        inflight[half] = None
-                rows = bounce.rows(k, hi - lo)
-                self._check_time(until)
-                self._read_rows(bounce, rows, Slots(slots[lo:hi]))
-                inflight[k % 2] = self._from_slots(region, EngineBlocks(blocks[lo:hi]), bounce.slots, rows)
-        finally:
-            for copy in inflight:
-                if copy is not None:
-                    copy.wait()
-        self._check_time(until)
-
-    # ------------------------------------------------------------------ G2 <-> G3
-    def _demote(self, batch: Batch, until: float) -> int:
-        """G2 -> G3, straight from the host slots (verified first with host checksums)."""
-        if not len(batch.demote_host):
-            return 0
-        self._disk_io().check()
-        host, per = self._pool(), self.bounce[batch.lane].per_chunk
-        for lo, hi in chunks(len(batch.demote_host), per):
-            self._check_time(until)
-            h, d = Slots(batch.demote_host[lo:hi]), Slots(batch.demote_disk[lo:hi])
-            if self.host_sums is not None:
-                sums = self._verify(self.host_sums, Tier.HOST, h, host.slots, h)
-            else:
-                sums = digest(host.slots, h, self._sums().block_bytes)
-            self._write_disk(host.address + h * host.geometry.slot_bytes, d, sums, host.buffer, batch.job)
-        return len(batch.demote_host) * host.geometry.block_bytes
-
-    def _promote(self, batch: Batch, until: float) -> int:
-        """G3 -> G2 through the lane's bounce rows (verified before a byte reaches G2): a read
-        straight into a slot that never returns could write it after the leader reused it."""
-        if not len(batch.promote_host):
-            return 0
-        self._disk_io().check()
-        host, bounce = self._pool(), self.bounce[batch.lane]
-        assert host.geometry.slot_bytes == bounce.slots.shape[1]
-        for k, (lo, hi) in enumerate(chunks(len(batch.promote_host), bounce.per_chunk)):
-            self._check_time(until)
-            h, d = Slots(batch.promote_host[lo:hi]), Slots(batch.promote_disk[lo:hi])
-            rows = bounce.rows(k, hi - lo)
-            sums = self._read_rows(bounce, rows, d)
-            if self.host_sums is not None:
-                self.host_sums.forget(h)
-            host.slots[h] = bounce.slots[rows]
-            if self.host_sums is not None:
-                self.host_sums.record(h, sums)
-        return len(batch.promote_host) * host.geometry.block_bytes
 
     def close(self) -> None:
         for buf in self.bounce.values():
