@@ -34,7 +34,10 @@ LAYER_HOOKS = ("dynamo",)
 #: ours_layerwise_afterfirst: the layer waits after the daemon's first layer group on the GPU
 #: (gpu_layer_waits after_first; the default, tail, only the last layers') (A/B)
 #: ours_layerwise_decodeplans / ours_decodeplans: a step that loads nothing (decode) plans its stores
-#: off vLLM's scheduler thread whatever their number (async_decode_store_plans true) (A/B)
+#: off vLLM's scheduler thread whatever their number (async_decode_store_plans true, the default since
+#: 2026-11-27's twenty-third session; the same as ours_layerwise / ours since) (A/B);
+#: ours_layerwise_decodesync: such steps plan on that thread below async_store_min_blocks (the
+#: behaviour before) (A/B)
 OURS = {"ours": {}, "ours_sync": {"load_mode": "sync"}, "ours_async": {"load_mode": "async"},
         "ours_layerwise": {"load_mode": "layerwise"},
         "ours_layerwise_noearly": {"load_mode": "layerwise", "early_loads": False},
@@ -51,7 +54,8 @@ OURS = {"ours": {}, "ours_sync": {"load_mode": "sync"}, "ours_async": {"load_mod
         "ours_layerwise_delayfree": {"load_mode": "layerwise", "hold_stored_blocks": False},
         "ours_layerwise_afterfirst": {"load_mode": "layerwise", "gpu_layer_waits": "after_first"},
         "ours_layerwise_decodeplans": {"load_mode": "layerwise", "async_decode_store_plans": True},
-        "ours_decodeplans": {"async_decode_store_plans": True}}
+        "ours_decodeplans": {"async_decode_store_plans": True},
+        "ours_layerwise_decodesync": {"load_mode": "layerwise", "async_decode_store_plans": False}}
 #: a system's name ending in this runs it under vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0)
 #: one step at a time (async_scheduling False: where the V1 runner recomputes a failed same-step load
 #: correctly; under async scheduling it killed the engine, compat.default_load_mode). vLLM 0.26 runs

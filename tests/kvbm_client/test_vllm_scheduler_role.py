@@ -49,8 +49,8 @@ class FakeLeader:
         pass
 
 
-def make(module, mode: str, leader: FakeLeader):
-    settings = ConnectorSettings("unix:/x", "unix:/x-{id}", "ns", 1.0, 1.0, load_mode=mode)
+def make(module, mode: str, leader: FakeLeader, **settings_kw):
+    settings = ConnectorSettings("unix:/x", "unix:/x-{id}", "ns", 1.0, 1.0, load_mode=mode, **settings_kw)
     return module.KvbmConnectorScheduler(BS, settings, leader=leader)
 
 
@@ -188,7 +188,9 @@ class VllmPool:
 def test_with_vllms_block_pool_a_finished_request_frees_at_once_and_the_worker_reports_unpin_its_stored_blocks(
         scheduler_module):
     from kvbm_client.connectors.vllm.metadata import KvbmWorkerMetadata
-    role = make(scheduler_module, "sync", StoringLeader(stored=0))
+    # (the step's stores planned on this thread: they ship with it; planned stores are held from the ask,
+    # test_store_planner)
+    role = make(scheduler_module, "sync", StoringLeader(stored=0), async_decode_store_plans=False)
     pool = VllmPool(8)
     role.bind_block_pool(pool, reporters=2)
     req = request(3, tail=0)

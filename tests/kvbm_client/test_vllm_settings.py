@@ -86,8 +86,8 @@ def test_an_async_store_threshold_below_one_block_is_refused(settings, value):
     assert settings.ConnectorSettings.from_extra({"async_store_min_blocks": 1}, "ns").async_store_min_blocks == 1
 
 
-@pytest.mark.parametrize("value,expected", [(None, False), ("true", True), (True, True), ("off", False)])
-def test_steps_without_loads_plan_their_stores_off_the_thread_only_when_asked(settings, value, expected):
+@pytest.mark.parametrize("value,expected", [(None, True), ("false", False), (False, False), ("on", True)])
+def test_steps_without_loads_plan_their_stores_off_the_thread_unless_turned_off(settings, value, expected):
     extra = {} if value is None else {"async_decode_store_plans": value}
     assert settings.ConnectorSettings.from_extra(extra, "ns").async_decode_store_plans is expected
     with pytest.raises(ValueError, match="async_decode_store_plans='often': true or false"):

@@ -153,9 +153,10 @@ class ConnectorSettings:
     async_store_min_blocks: int = DEFAULT_ASYNC_STORE_MIN_BLOCKS
     #: with ``async_store_plans``: a step that loads nothing (decode steps, a cold prompt's last
     #: chunk) plans its stores off the scheduler's thread whatever their number; false: only
-    #: ``async_store_min_blocks`` decides (a small ``PrepareStore`` holds vLLM's scheduler thread
-    #: for its round trip, 1.6-1.7 ms on an H200 host)
-    async_decode_store_plans: bool = False
+    #: ``async_store_min_blocks`` decides, as before 2026-11-27's twenty-third session (a small
+    #: ``PrepareStore`` holds vLLM's scheduler thread for its round trip, 1.8 ms on an H100 host;
+    #: off it, the scheduler hooks took 0.29-0.42 instead of 0.59-0.65 ms per decode step)
+    async_decode_store_plans: bool = True
     #: vLLM on a GPU: ask for one cross-layer KV buffer (a block is one contiguous run, the
     #: fastest copies); false: vLLM's per-layer tensors (each block's slice per layer one page)
     cross_layer_blocks: bool = True
@@ -207,7 +208,7 @@ class ConnectorSettings:
                    async_store_min_blocks=_int("async_store_min_blocks", extra.get("async_store_min_blocks",
                                                                        DEFAULT_ASYNC_STORE_MIN_BLOCKS)),
                    async_decode_store_plans=_flag("async_decode_store_plans",
-                                                  extra.get("async_decode_store_plans", False)),
+                                                  extra.get("async_decode_store_plans", True)),
                    cross_layer_blocks=_flag("cross_layer_blocks", extra.get("cross_layer_blocks", True)),
                    presence_filter=_flag("presence_filter", extra.get("presence_filter", True)),
                    store_blocks=_flag("store_blocks", extra.get("store_blocks", True)),
