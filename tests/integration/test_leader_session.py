@@ -157,3 +157,79 @@ def test_a_connector_with_the_filter_turned_off_asks_the_leader_for_every_lookup
     finally:
         for link in links.values():
             link.close()
+
+
+def _link(node, timeout_s: float, retry_s: float):
+    from kvbm_client.connectors.core import ConnectorSettings
+    from kvbm_client.connectors.core.leader_link import LeaderLink
+    return LeaderLink(ConnectorSettings(node.leader_address, "unix:/unused-{id}", "ns", timeout_s, retry_s,
+                                        config=node.config()))
+
+
+def _timed(call):
+    start = time.monotonic()
+    answer = call()
+    return answer, time.monotonic() - start
+
+
+def test_a_connector_link_never_waits_on_a_leader_that_is_not_up_and_connects_once_it_is(make_node):
+    """The scheduler role's link with no leader running: the first lookup pays one attempt (at
+    most the timeout); every later one is a miss at once while the retries (each as long as the
+    timeout) run on the link's own thread; once the node is up a retry connects and lookups hit.
+    Before, each retry ran on the engine's scheduler thread: a stall of the timeout per retry
+    period, for as long as the node was down."""
+    node = make_node(start=False)
+    keys = hashes(3)
+    link = _link(node, timeout_s=1.0, retry_s=0.2)
+    try:
+        first, took = _timed(lambda: link.prepare_load(keys))
+        assert first is None and took < 3.0, f"the first attempt took {took:.2f}s (timeout 1 s)"
+        slowest, end = 0.0, time.monotonic() + 2.5  # two retries or more, each 1 s
+        while time.monotonic() < end:
+            answer, took = _timed(lambda: link.prepare_load(keys))
+            assert answer is None
+            slowest = max(slowest, took)
+            time.sleep(0.02)
+        assert slowest < 0.5, f"a lookup waited {slowest:.2f}s for a connection attempt (timeout 1 s)"
+        node.start()
+        client, _ = node.ready_client()
+        client.wait(client.offload(keys, [0, 1, 2]))
+        end = time.monotonic() + 15
+        while (handle := link.prepare_load(keys)) is None:
+            assert time.monotonic() < end, "the link never connected to the leader that came up"
+            time.sleep(0.05)
+        assert handle.num_blocks == 3
+        link.release(handle)
+    finally:
+        link.close()
+
+
+def test_a_hung_leader_costs_the_link_one_timeout_per_retry_period_not_one_per_call(make_node):
+    """A leader that stops answering (SIGSTOP) with the link's session open: the call that
+    times out fails, the calls within ``retry_s`` after it are misses at once, and once the
+    leader answers again the same session serves hits."""
+    node = make_node()
+    client, _ = node.ready_client()
+    keys = hashes(3)
+    client.wait(client.offload(keys, [0, 1, 2]))
+    link = _link(node, timeout_s=0.5, retry_s=2.0)
+    try:
+        handle = link.prepare_load(keys)
+        assert handle is not None and handle.num_blocks == 3
+        link.release(handle)
+        node.leader.send_signal(signal.SIGSTOP)
+        try:
+            assert link.prepare_load(keys) is None  # times out
+            for _ in range(10):
+                answer, took = _timed(lambda: link.prepare_load(keys))
+                assert answer is None and took < 0.25, f"a lookup within the retry period took {took:.2f}s"
+        finally:
+            node.leader.send_signal(signal.SIGCONT)
+        end = time.monotonic() + 15
+        while (handle := link.prepare_load(keys)) is None:
+            assert time.monotonic() < end, "the link never used the leader again"
+            time.sleep(0.1)
+        assert handle.num_blocks == 3
+        link.release(handle)
+    finally:
+        link.close()

@@ -49,7 +49,10 @@ def test_worker_killed_mid_workload(vllm_python, tiny_model, baseline, kvbm_node
 
 
 def test_engine_serves_without_kvbm_running(vllm_python, tiny_model, baseline, tmp_path):
-    """No leader, no worker: the connector warns, retries in the background, and vLLM serves."""
+    """No leader, no worker: the connector warns, retries in the background, and vLLM serves.
+    Only the first request may wait for the links' first attempts (each at most the 2 s
+    timeout); no later one waits for a retry (before 2026-11-27 each request waited ~4 s: the
+    scheduler's and the store planner's links retried on the scheduler's thread)."""
     import os
     env = {k: v for k, v in os.environ.items() if not k.startswith("DYN_KVBM_")}
     env["DYN_KVBM_SOCKET_DIR"] = str(tmp_path / "nothing-listens-here")
@@ -57,6 +60,8 @@ def test_engine_serves_without_kvbm_running(vllm_python, tiny_model, baseline, t
     result = run_engine(vllm_python, tiny_model, tmp_path / "alone.json", "--kvbm", "--rounds", "4", env=env)
     assert outputs(result) == outputs(baseline)
     assert result["metrics"]["vllm:external_prefix_cache_hits"] == 0
+    later = max(r["seconds"] for r in result["records"][1:])
+    assert later < 2.0, f"a request waited {later:.2f}s: a connection attempt on the engine's thread"
     assert time.monotonic() - start < 300
 
 
