@@ -60,10 +60,11 @@ async def one_request(generate: Generate, prompt: list[int], rid: str, origin: f
         now = time.perf_counter()
         if first is None:
             first = now
-        elif len(tokens) > seen:  # a gap per output that brought tokens (not a final empty one)
+        elif len(tokens) > seen:  # a gap per output that brought tokens
             gaps.append(now - last)
-        if len(tokens) > seen or first == now:
-            last, seen = now, len(tokens)
+        else:
+            continue  # (a final output without new tokens: no gap, and the request's end stays)
+        last, seen = now, len(tokens)
     if first is None:
         raise RuntimeError(f"request {rid} ended without an output")
     return {"tokens": len(prompt), "t0_s": round(t - origin, 4), "ttft_s": first - t, "end_s": round(last - origin, 4),

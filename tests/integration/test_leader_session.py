@@ -172,6 +172,17 @@ def _timed(call):
     return answer, time.monotonic() - start
 
 
+def _hits_again(link, keys, never: str) -> None:
+    """Lookups through ``link`` until one hits all of ``keys`` (within 15 s, else fail with
+    ``never``); the hit is released."""
+    end = time.monotonic() + 15
+    while (handle := link.prepare_load(keys)) is None:
+        assert time.monotonic() < end, never
+        time.sleep(0.05)
+    assert handle.num_blocks == len(keys)
+    link.release(handle)
+
+
 def test_a_connector_link_never_waits_on_a_leader_that_is_not_up_and_connects_once_it_is(make_node):
     """The scheduler role's link with no leader running: the first lookup pays one attempt (at
     most the timeout); every later one is a miss at once while the retries (each as long as the
@@ -194,12 +205,7 @@ def test_a_connector_link_never_waits_on_a_leader_that_is_not_up_and_connects_on
         node.start()
         client, _ = node.ready_client()
         client.wait(client.offload(keys, [0, 1, 2]))
-        end = time.monotonic() + 15
-        while (handle := link.prepare_load(keys)) is None:
-            assert time.monotonic() < end, "the link never connected to the leader that came up"
-            time.sleep(0.05)
-        assert handle.num_blocks == 3
-        link.release(handle)
+        _hits_again(link, keys, "the link never connected to the leader that came up")
     finally:
         link.close()
 
@@ -225,11 +231,6 @@ def test_a_hung_leader_costs_the_link_one_timeout_per_retry_period_not_one_per_c
                 assert answer is None and took < 0.25, f"a lookup within the retry period took {took:.2f}s"
         finally:
             node.leader.send_signal(signal.SIGCONT)
-        end = time.monotonic() + 15
-        while (handle := link.prepare_load(keys)) is None:
-            assert time.monotonic() < end, "the link never used the leader again"
-            time.sleep(0.1)
-        assert handle.num_blocks == 3
-        link.release(handle)
+        _hits_again(link, keys, "the link never used the leader again")
     finally:
         link.close()

@@ -84,7 +84,7 @@ class StorePlanner:
         min_keys: the fewest new blocks a step must have for its plan to be asked for here
             (the vLLM connector's: ``async_store_min_blocks``, see
             :data:`.settings.DEFAULT_ASYNC_STORE_MIN_BLOCKS`); the scheduler core plans smaller
-            steps on its own thread.
+            steps on its own thread (with ``without_loads``, only those that load).
         without_loads: a step that loads nothing is planned here whatever its number of new
             blocks (``async_decode_store_plans``): no load's copy hides its round trip on the
             scheduler's thread, and no load's forward competes with this thread for the GIL.
