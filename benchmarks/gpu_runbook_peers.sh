@@ -32,7 +32,8 @@
 #   probes    wait_kernel_probe.py (LAZY plain / no_mul, EAGER plain: the word written by another thread)
 #             and ipc_event_probe.py (a stream waiting on a dead process's CUDA IPC event)
 #   staging   staging_scatter.py: a 20K hit's host -> GPU copy into a staging buffer, then device ->
-#             device into the other process's KV cache, against today's direct load (idle / busy)
+#             device into the other process's KV cache (per-copy, and one index_copy_ kernel per layer
+#             group), against today's direct load (idle / busy)
 #   peers20t  20K, eager, 2 passes: LMCache with its hooks timed (lmcache_timed, peer_timing.py: where
 #             its time goes), kvbm layerwise; then ttft_breakdown.py prints both
 #   peers8t   the same on 8K
@@ -43,7 +44,8 @@
 #             eagerly: run with KVBM_EAGER=1), kvbm layerwise with its layer waits on the CPU
 #             (gpu_layer_waits false). NOTE: with KVBM_EAGER=1 vLLM 0.26 did not start in 300 s (H200)
 #   waits8    the same on 8K: LMCache, Dynamo, kvbm layerwise, kvbm layerwise with CPU waits
-#   greedyg   max_tokens=8 outputs, kvbm layerwise against vLLM alone, CUDA graphs
+#   greedyg   max_tokens=8 outputs, kvbm layerwise against vLLM alone, CUDA graphs (GREEDY_SYSTEMS: the
+#             systems, default baseline,ours_layerwise; add ours for kvbm's defaults)
 #   lazy20    20K, eager, 2 passes: LMCache with its hooks timed, kvbm layerwise (under CUDA's default
 #             lazy module loading its layer waits stay on the CPU), kvbm layerwise with GPU layer waits
 #             under lazy loading (ours_layerwise_gpuwait: gpu_layer_waits true)
@@ -362,7 +364,7 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
     interference) timeout 300 python3 benchmarks/wait_copy_interference.py --json "$R/wait_copy_interference.json" \
                     >"$R/interference.log" 2>&1 ;;
     wordprobe) timeout 120 python3 benchmarks/word_write_probe.py --json "$R/word_write_probe.json" >"$R/wordprobe.log" 2>&1 ;;
-    greedyg) $T "$R/greedy8_layerwise_graphs.jsonl" baseline,ours_layerwise $G8 --cuda-graphs --timeout 600 \
+    greedyg) $T "$R/greedy8_layerwise_graphs.jsonl" ${GREEDY_SYSTEMS:-baseline,ours_layerwise} $G8 --cuda-graphs --timeout 600 \
                >"$R/greedyg.log" 2>&1 ;;
     copy) python3 benchmarks/g2_copy_path.py --json "$R/g2_copy_path.json" >"$R/copy.log" 2>&1 ;;
     h2d) python3 benchmarks/h2d_ceiling.py --json "$R/h2d_ceiling.json" >"$R/h2d.log" 2>&1 ;;

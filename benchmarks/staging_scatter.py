@@ -14,6 +14,8 @@ left once the blocks are known. This measures, with vLLM's Qwen3-4B block shape 
   ``--groups`` layer groups (one copy per block and group);
 * ``stage``: the same slots -> a staging buffer of this process (one copy per block);
 * ``scatter``: staging -> the other process's KV cache, device to device, per block and group;
+* ``kernel``: the same scatter as one ``index_copy_`` kernel per group (8-byte words), the KV
+  cache wrapped as a tensor through ``__cuda_array_interface__``; its bytes are checked once;
 * each with the other process idle and running bf16 matmuls (``busy``: what the engine's forward
   loses to a scatter, reported as its matmul rate during the copy against alone).
 
@@ -67,6 +69,40 @@ def grouped(src_base: np.ndarray, dst_base: np.ndarray, groups: int) -> tuple[np
     return s, d, sizes
 
 
+class DeviceRange:
+    """A raw device range (another process's memory, opened through CUDA IPC) as torch wraps one
+    without copying: ``torch.as_tensor(DeviceRange(ptr, nbytes), device=...)`` (8-byte words)."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes // 8,), "typestr": "<i8", "data": (ptr, False),
+                                         "version": 3, "strides": None}
+
+
+def kernel_scatter(kv: torch.Tensor, staging: torch.Tensor, idx: torch.Tensor, groups: int) -> None:
+    """Staged block ``i`` (``staging[i]``) -> engine block ``idx[i]`` (``kv[idx[i]]``), one
+    ``index_copy_`` per layer group, groups in order (as a layer-pipelined load lands them). Both
+    are ``[blocks, words]`` int64 views; the group bounds are :func:`grouped`'s."""
+    words = PAGE // 8
+    for g in range(groups):
+        lo, hi = g * PAGES // groups * words, (g + 1) * PAGES // groups * words
+        kv[:, lo:hi].index_copy_(0, idx, staging[:, lo:hi])
+
+
+def timed_kernel(stream: Any, kv: torch.Tensor, staging: torch.Tensor, idx: torch.Tensor, groups: int
+                 ) -> tuple[float, float]:
+    """(GPU ms, issue CPU ms) of :func:`kernel_scatter` on ``stream``."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record(stream)
+    c = time.thread_time()
+    with torch.cuda.stream(stream):
+        kernel_scatter(kv, staging, idx, groups)
+    cpu = (time.thread_time() - c) * 1e3
+    end.record(stream)
+    end.synchronize()
+    return start.elapsed_time(end), cpu
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--blocks", type=int, default=1268)
@@ -86,15 +122,24 @@ def main() -> None:
         kv = open_ipc(parent.recv())
         rng = np.random.default_rng(0)
         slots = host.address + np.sort(rng.choice(2 * n, n, replace=False)).astype(np.int64) * BLOCK
-        blocks = kv + rng.permutation(2 * n)[:n].astype(np.int64) * BLOCK  # vLLM's blocks, scattered
+        chosen = rng.permutation(2 * n)[:n].astype(np.int64)
+        blocks = kv + chosen * BLOCK  # vLLM's blocks, scattered
         stage_at = staging.data_ptr() + np.arange(n, dtype=np.int64) * BLOCK
+        kv_words = torch.as_tensor(DeviceRange(kv, 2 * n * BLOCK), device="cuda:0").view(2 * n, BLOCK // 8)
+        staged_words = staging.view(torch.int64).view(n, BLOCK // 8)
+        idx = torch.as_tensor(chosen, device="cuda:0")
+        staging.random_(0, 256)  # the kernel's bytes, checked once: each staged block at its engine block
+        kernel_scatter(kv_words, staged_words, idx, args.groups)
+        torch.cuda.synchronize()
+        if not torch.equal(kv_words.index_select(0, idx), staged_words):
+            raise SystemExit("kernel scatter: the engine's blocks do not hold the staged bytes")
         rows: list[dict[str, Any]] = []
         parent.send(3.0)
         parent.recv()
         alone = parent.recv()  # the matmul rate with nothing else on the GPU
         try:
             for busy in (False, True):
-                for what in ("direct", "stage", "scatter"):
+                for what in ("direct", "stage", "scatter", "kernel"):
                     gpu: list[float] = []
                     cpu: list[float] = []
                     if busy:
@@ -104,6 +149,9 @@ def main() -> None:
                     while len(gpu) < args.reps or time.perf_counter() < t_end:
                         if what == "stage":
                             g, c = timed(copier, slots, stage_at, BLOCK, True)
+                        elif what == "kernel":
+                            g, c = timed_kernel(copier.streams[Direction.H2D], kv_words, staged_words, idx,
+                                                args.groups)
                         else:
                             src = slots if what == "direct" else stage_at
                             s, d, sizes = grouped(src, blocks, args.groups)
