@@ -16,7 +16,13 @@ left once the blocks are known. This measures, with vLLM's Qwen3-4B block shape 
 * ``scatter``: staging -> the other process's KV cache, device to device, per block and group;
 * ``kernel``: the same scatter as one ``index_copy_`` kernel per group (8-byte words), the KV
   cache wrapped as a tensor through ``__cuda_array_interface__``; its bytes are checked once;
-* each with the other process idle and running bf16 matmuls (``busy``: what the engine's forward
+* ``pipeline`` (idle only): the design's timeline. At t0 the first ``staged`` layer groups of
+  every block are copied into a group-major staging buffer (one copy per block and group, as a
+  load's pieces); ``--delays`` ms later the engine's blocks are "known": each staged group is
+  scattered by one kernel on a second stream once its copies landed, and the other groups are
+  copied straight into the blocks on the load stream. Reports when each group is in the engine's
+  blocks, counted from t0; ``staged`` 0 is today's direct load issued at t0 + delay;
+* each of the first four with the other process idle and running bf16 matmuls (``busy``: what the engine's forward
   loses to a scatter, reported as its matmul rate during the copy against alone).
 
 Reports per row the GPU time (events on the copy stream) and the issue's CPU time, medians over
@@ -103,11 +109,50 @@ def timed_kernel(stream: Any, kv: torch.Tensor, staging: torch.Tensor, idx: torc
     return start.elapsed_time(end), cpu
 
 
+def pipeline(copier: CudaCopier, slots: np.ndarray, blocks: np.ndarray, kv: torch.Tensor, staging: torch.Tensor,
+             idx: torch.Tensor, groups: int, staged: int, delay_ms: float, side: Any) -> list[float]:
+    """One run of the ``pipeline`` timeline (module docstring): per group, ms from t0 until it is
+    in the engine's blocks. ``kv``: the engine's ``[blocks, words]`` int64 view; ``staging``: a
+    device uint8 buffer of at least every block's bytes; ``side``: the kernels' stream."""
+    stream = copier.streams[Direction.H2D]
+    mech = CopyMechanism(copier.mechanism if copier.mechanism != "auto" else "direct")
+    n, words = len(slots), PAGE // 8
+    bounds = [(g * PAGES // groups, (g + 1) * PAGES // groups) for g in range(groups)]
+    t0 = torch.cuda.Event(enable_timing=True)
+    landed = [torch.cuda.Event(enable_timing=True) for _ in range(groups)]
+    staged_at: list[Any] = []
+    torch.cuda.synchronize()
+    t0.record(stream)
+    start = time.perf_counter()
+    for lo, hi in bounds[:staged]:  # group-major: group g of block i at n * lo * PAGE + i * size
+        size = (hi - lo) * PAGE
+        at = staging.data_ptr() + n * lo * PAGE + np.arange(n, dtype=np.int64) * size
+        copier._dma(slots + lo * PAGE, at, size, True, mech, stream)
+        staged_at.append(torch.cuda.Event())
+        staged_at[-1].record(stream)
+    while (time.perf_counter() - start) * 1e3 < delay_ms:
+        time.sleep(0.0002)
+    for g, (lo, hi) in enumerate(bounds):
+        if g < staged:
+            side.wait_event(staged_at[g])
+            with torch.cuda.stream(side):
+                part = staging[n * lo * PAGE:n * hi * PAGE].view(torch.int64).view(n, (hi - lo) * words)
+                kv[:, lo * words:hi * words].index_copy_(0, idx, part)
+            landed[g].record(side)
+        else:
+            size = (hi - lo) * PAGE
+            copier._dma(slots + lo * PAGE, blocks + lo * PAGE, size, True, mech, stream)
+            landed[g].record(stream)
+    torch.cuda.synchronize()
+    return [t0.elapsed_time(e) for e in landed]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--blocks", type=int, default=1268)
     ap.add_argument("--groups", type=int, default=6)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--delays", default="0,5,8", help="pipeline: ms from t0 until the blocks are known")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     n = args.blocks
@@ -171,6 +216,23 @@ def main() -> None:
                         row["matmul_alone_tflops"] = round(alone, 1)
                     rows.append(row)
                     print(json.dumps(row), flush=True)
+            side = torch.cuda.Stream()
+            for delay in (float(d) for d in args.delays.split(",")):
+                for staged in sorted({0, 1, 2, args.groups}):
+                    runs = [pipeline(copier, slots, blocks, kv_words, staging, idx, args.groups, staged, delay, side)
+                            for _ in range(args.reps)]
+                    per_group = [round(statistics.median(r[g] for r in runs), 2) for g in range(args.groups)]
+                    row = {"busy": False, "what": "pipeline", "blocks": n, "groups": args.groups, "staged": staged,
+                           "delay_ms": delay, "landed_ms": per_group, "last_ms": per_group[-1]}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+            # the pipeline's bytes, checked once (staged and direct groups): each block's slot at its engine block
+            rows_of = (slots - host.address) // BLOCK
+            host.slots[rows_of] = rng.integers(0, 256, (n, BLOCK), dtype=np.uint8)
+            kv_words.zero_()
+            pipeline(copier, slots, blocks, kv_words, staging, idx, args.groups, min(2, args.groups), 1.0, side)
+            if not np.array_equal(kv_words.index_select(0, idx).cpu().numpy().view(np.uint8), host.slots[rows_of]):
+                raise SystemExit("pipeline: the engine's blocks do not hold the slots' bytes")
         finally:
             parent.send("stop")
             proc.join(10)
