@@ -156,6 +156,10 @@
 #             each run's worker log apart (worker_conc_*: "waited ... for loads" lines)
 #   fit20g    20K, CUDA graphs, FIT_PASSES passes (default 1): LMCache and kvbm layerwise since it keeps vLLM's
 #             FULL_AND_PIECEWISE graphs (no requires_piecewise_for_cudagraph; compat.layerwise_graph_fit)
+#   staged20g 20K, CUDA graphs, STAGED_PASSES passes (default 2): LMCache, kvbm layerwise and kvbm layerwise with
+#             staged loads (ours_layerwise_staged; STAGED_SYSTEMS changes the systems), the workers with a staging
+#             area of STAGE_MIB (default 1024)
+#   greedystaged  max_tokens=8 outputs with CUDA graphs, kvbm layerwise with staged loads against vLLM alone
 #   conc20l   conc20's users under a lighter load: 4 new 20K prompts 1.5 s apart, thinking 300 ms; LMCache and
 #             kvbm layerwise (its default) in one run, 2 passes (conc20's 10 prompts 400 ms apart kept vLLM's
 #             queue full: every TTFT was mostly waiting for the prefills ahead of it); CONC_SYSTEMS changes the systems
@@ -305,6 +309,10 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
               done
             done ;;
     fit20g) peers lmcache,ours_layerwise --passes ${FIT_PASSES:-1} ;;
+    staged20g) KVBM_WORKER_ARGS="--stage-mib ${STAGE_MIB:-1024}" peers ${STAGED_SYSTEMS:-lmcache,ours_layerwise,ours_layerwise_staged} \
+                 --passes ${STAGED_PASSES:-2} ;;
+    greedystaged) KVBM_WORKER_ARGS="--stage-mib ${STAGE_MIB:-1024}" $T "$R/greedy8_staged_graphs.jsonl" \
+                    baseline,ours_layerwise_staged $G8 --cuda-graphs --timeout 600 >"$R/greedystaged.log" 2>&1 ;;
     conc20l) KVBM_G2_GB=48 KVBM_CONNECTOR_TRACE=$R/t20k_conc_light.jsonl $T "$R/ttft20k_conc_light.jsonl" \
                ${CONC_SYSTEMS:-lmcache,ours_layerwise} $A20 --concurrent --rounds 6 --g1-gb 8 --g2-gb 48 --strangers 4 \
                --stranger-gap-ms 1500 --think-ms 300 --stagger-ms 100 --timeout 300 --passes 2 >"$R/$s.log" 2>&1 ;;

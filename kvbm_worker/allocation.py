@@ -51,6 +51,7 @@ class DataPath:
     issue_threads: int = ISSUE_THREADS  # threads issuing one load's long copy lists at once (GPU)
     issue_split_copies: int = SPLIT_MIN_COPIES  # the shortest copy list they split
     store_yield_ms: float = STORE_YIELD_MS  # a G2 store job's longest wait for loads, in all
+    stage_bytes: int = 0  # the staging area of loads staged before their blocks exist (0: none)
 
 
 @dataclass
@@ -205,12 +206,13 @@ class PoolAllocator:
         checksums = self.config.host_checksums
         if self.path.gpu is None:
             return BlockMover(host, disk, disk_io, host_checksums=checksums, pacing=self.path.pacing,
-                              store_yield_ms=self.path.store_yield_ms)
+                              store_yield_ms=self.path.store_yield_ms, stage_bytes=self.path.stage_bytes)
         from .handlers.cuda import CudaMover  # lazy: CUDA only on a GPU worker
         return CudaMover(host, disk, disk_io, host_checksums=checksums, pacing=self.path.pacing,
                          store_yield_ms=self.path.store_yield_ms, device=self.path.gpu,
                          mechanism=self.path.cuda_copy, progress=progress.second_half, deadline=progress.deadline,
-                         issue_threads=self.path.issue_threads, split_min=self.path.issue_split_copies)
+                         issue_threads=self.path.issue_threads, split_min=self.path.issue_split_copies,
+                         stage_bytes=self.path.stage_bytes)
 
     @property
     def disk_index(self) -> str:

@@ -41,6 +41,7 @@ from .handlers.issuers import ISSUE_THREADS, MAX_ISSUE_THREADS, MAX_SPLIT_MIN_CO
 from .leader_link import LeaderLink
 from .loads_first import MAX_STORE_YIELD_MS, STORE_YIELD_MS
 from .service import WorkerService
+from .stages import MAX_STAGE_MIB, STAGE_HOLD_S
 
 log = logging.getLogger("kvbm.worker")
 
@@ -198,6 +199,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="pieces of a layer-grouped load queued on the copy stream behind the one the copy "
                              "lane waits for; 0: all of them (a piece is queued only if it would land before the "
                              f"job's deadline at 1 GB/s) [default {GROUP_DEPTH}]")
+    parser.add_argument("--stage-mib", type=float, default=0, metavar="MIB",
+                        help="a staging area of this many MiB (on the GPU with --gpu) for loads the engine's "
+                             "scheduler stages before it allocated their blocks (the connector's staged_loads): "
+                             "after the leader's go the first layer groups of every block are copied into it, and "
+                             "scattered into the blocks once they are known; one staged load at a time, held "
+                             f"{STAGE_HOLD_S:g} s for its blocks. 0: no staging area (stages are refused) "
+                             "[default 0]")
     parser.add_argument("--issue-threads", type=int, default=ISSUE_THREADS, metavar="N",
                         help="with --gpu: threads issuing a load's copies at once when one call has at least "
                              f"{SPLIT_MIN_COPIES} (a KV cache allocated per layer, as vLLM's V2 model runner does, "
@@ -236,10 +244,12 @@ def data_path(args: argparse.Namespace) -> DataPath:
         raise KvbmConfigError(f"--store-yield-ms must be in [0, {MAX_STORE_YIELD_MS:g}]")
     if not 0 < args.switch_interval_ms <= 1000:
         raise KvbmConfigError("--switch-interval-ms must be in (0, 1000]")
+    if not 0 <= args.stage_mib <= MAX_STAGE_MIB:
+        raise KvbmConfigError(f"--stage-mib must be in [0, {MAX_STAGE_MIB}]")
     pacing = GroupPacing(int(args.load_piece_mb * (1 << 20)), args.load_ahead, GroupShape(args.load_group_shape))
     return DataPath(gpu=args.gpu, cuda_copy=mechanism, prefer_nixl=not args.no_nixl, pacing=pacing,
                     issue_threads=args.issue_threads, issue_split_copies=args.issue_split_copies,
-                    store_yield_ms=args.store_yield_ms)
+                    store_yield_ms=args.store_yield_ms, stage_bytes=int(args.stage_mib * (1 << 20)))
 
 
 def main(argv: list[str] | None = None) -> int:

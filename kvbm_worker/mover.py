@@ -14,7 +14,9 @@ of a block it first demotes to disk).
 
 Layer groups (a G2 LOAD with a :class:`~.grouping.Grouping`): ``Grouping.landed`` gets a group's
 end page once its bytes are in the engine's memory, the signal words (:mod:`.signals`) are
-written after its copies; the time check at the end still decides the outcome.
+written after its copies; the time check at the end still decides the outcome. A staged load
+(:mod:`.stages`: :meth:`BlockMover.stage` copied its first groups into the staging area before
+the blocks were known) takes those groups from the area, one scatter per group.
 
 Integrity (every G3 slot; G2 slots with ``host_checksums``): a slot's xxh3-64 is computed from
 the bytes written (:mod:`.checksums`) and checked after every read, before the bytes reach the
@@ -52,6 +54,7 @@ from .pools import DiskPool, HostPool
 from .regions import EngineRegion
 from .runs import chunks
 from .signals import SignalWriter
+from .stages import StageLayout
 
 Ids = npt.NDArray[np.int64]
 Rows = npt.NDArray[np.uint8]
@@ -66,8 +69,11 @@ class BlockMover(DiskCopies):
 
     def __init__(self, host: HostPool | None, disk: DiskPool | None, disk_io: TimedDiskIO | None, *,
                  host_checksums: bool = False, bounce_slots: int = 64, pacing: GroupPacing = GroupPacing(),
-                 clock: Callable[[], float] = time.monotonic, store_yield_ms: float = STORE_YIELD_MS) -> None:
+                 clock: Callable[[], float] = time.monotonic, store_yield_ms: float = STORE_YIELD_MS,
+                 stage_bytes: int = 0) -> None:
         self.host, self.disk, self.disk_io = host, disk, disk_io
+        self.stage_bytes = stage_bytes  # the staging area's size (:mod:`.stages`); 0: none
+        self._host_area: npt.NDArray[np.uint8] | None = None  # the CPU medium's, made at its first stage
         self.pacing = pacing
         self.clock = clock
         self.loads_first = LoadsFirst(store_yield_ms / 1e3, clock)
@@ -108,6 +114,33 @@ class BlockMover(DiskCopies):
         cpu.scatter(rows, picks, region, blocks, pages)
         return DONE
 
+    def stage_refusal(self, region: EngineRegion) -> str | None:
+        """Why no load into ``region`` can be staged here (None: one can, if it fits the area)."""
+        return None if self.stage_bytes else "this worker has no staging area (kvbm-worker --stage-mib 0)"
+
+    def _to_stage(self, region: EngineRegion, rows: Rows, picks: Ids, layout: StageLayout) -> None:
+        """Group ``g < layout.staged`` of slot row ``rows[picks[i]]`` -> the staging area at
+        ``layout``'s offsets (issued on the stream the load's own copies follow: not waited for)."""
+        if self._host_area is None:
+            self._host_area = np.empty(self.stage_bytes, np.uint8)
+        p = layout.page_bytes
+        for g in range(layout.staged):
+            first, end = layout.pages(g)
+            off, size = layout.group_offset(g), layout.group_bytes(g)
+            self._host_area[off:off + layout.blocks * size].reshape(layout.blocks, size)[:] = \
+                rows[picks, first * p:end * p]
+
+    def _from_stage(self, region: EngineRegion, blocks: EngineBlocks, layout: StageLayout, g: int,
+                    timed: bool = False) -> Pending:
+        """Staged group ``g`` of every block -> those pages of engine block ``blocks[i]``."""
+        assert self._host_area is not None, "a staged group without a staging area"
+        first, end = layout.pages(g)
+        off, n = layout.group_offset(g), layout.blocks
+        src = self._host_area[off:off + n * layout.group_bytes(g)].reshape(n, end - first, layout.page_bytes)
+        for layer in range(first, end):
+            region.layer_views[layer][blocks] = src[:, layer - first]
+        return DONE
+
     def _signal(self, region: EngineRegion, slot: int, value: int) -> Pending:
         """Write word ``slot`` of the region's signal page after every copy issued so far
         (:mod:`.signals`); here those copies are done: a CPU store."""
@@ -124,10 +157,12 @@ class BlockMover(DiskCopies):
         return None
 
     # ------------------------------------------------------------------ the template
-    def run(self, batch: Batch, region: EngineRegion | None, until: float, grouping: Grouping | None = None) -> int:
+    def run(self, batch: Batch, region: EngineRegion | None, until: float, grouping: Grouping | None = None,
+            staged: StageLayout | None = None) -> int:
         """Execute ``batch``; returns the bytes moved. Raises :class:`SlotsFailed`,
         :class:`CopyExpired`, ``OSError`` (disk) or the medium's errors. ``grouping``: a LOAD
-        whose entries are all in G2 runs in those page groups (else it is ignored)."""
+        whose entries are all in G2 runs in those page groups (else it is ignored); ``staged``:
+        with ``grouping`` of the same bounds, its staged groups come from the staging area."""
         self._enter_lane(region)
         moved = self._demote(batch, until) + self._promote(batch, until)
         if batch.kind in (PlanKind.DEMOTE, PlanKind.PROMOTE):
@@ -140,14 +175,27 @@ class BlockMover(DiskCopies):
                 continue
             if tier is Tier.HOST:  # (not G3 loads: disk speed)
                 with self.loads_first.loading(batch.kind is PlanKind.LOAD):
-                    self._engine_host(batch.kind, region, blocks, slots, until,
-                                      grouping if groupable(batch) else None)
+                    grouped = grouping if groupable(batch) else None
+                    self._engine_host(batch.kind, region, blocks, slots, until, grouped,
+                                      staged if grouped is not None else None)
             elif batch.kind is PlanKind.STORE:
                 self._store_disk(region, blocks, slots, until, batch.job)
             else:
                 self._load_disk(region, blocks, slots, until)
             moved += len(blocks) * region.block_bytes
         return moved
+
+    def stage(self, batch: Batch, region: EngineRegion, until: float, layout: StageLayout) -> None:
+        """On the load lane, after the leader's go: issue the copies of ``batch``'s staged groups
+        into the staging area (:mod:`.stages`), not waited for."""
+        self._enter_lane(region)
+        self._check_time(until)
+        host, sums = self._pool(), self.host_sums
+        slots = batch.slots  # (a stage's entries are all in G2: plan_check.check_stage)
+        if sums is not None:  # (checked again when the groups land: the slots are the job's until then)
+            for lo, hi in chunks(len(slots), HOST_CHUNK_BYTES // region.block_bytes):
+                self._verify(sums, Tier.HOST, Slots(slots[lo:hi]), host.slots, Slots(slots[lo:hi]))
+        self._to_stage(region, host.slots, slots, layout)
 
     def _check_time(self, until: float) -> None:
         late = self.clock() - until
@@ -167,9 +215,10 @@ class BlockMover(DiskCopies):
 
     # ------------------------------------------------------------------ engine <-> G2
     def _engine_host(self, kind: PlanKind, region: EngineRegion, blocks: EngineBlocks, slots: Slots,
-                     until: float, grouping: Grouping | None = None) -> None:
+                     until: float, grouping: Grouping | None = None, staged: StageLayout | None = None) -> None:
         """Piece k+1 is issued while piece k is in flight; the time is checked before each. A piece
-        is a chunk of blocks, or with ``grouping`` one group's pages of a chunk (as :attr:`pacing` says)."""
+        is a chunk of blocks, or with ``grouping`` one group's pages of a chunk (as :attr:`pacing` says);
+        a group in ``staged`` is one piece, every block's pages from the staging area."""
         host, sums = self._pool(), self.host_sums
         per = HOST_CHUNK_BYTES // region.block_bytes
         pieces: Sequence[tuple[int, int, tuple[int, int] | None, bool]]  # (see grouping.Piece)
@@ -181,6 +230,10 @@ class BlockMover(DiskCopies):
                 for lo, hi in chunks(len(blocks), per):
                     self._verify(sums, Tier.HOST, Slots(slots[lo:hi]), host.slots, Slots(slots[lo:hi]))
             pieces = group_pieces(len(blocks), grouping.bounds, region.page_bytes, self.pacing.piece_bytes)
+            if staged is not None:
+                assert list(staged.bounds) == grouping.bounds and staged.blocks == len(blocks), "a stage of another load"
+                pieces = [(0, len(blocks), staged.pages(g), True) for g in range(staged.staged)] + \
+                    [piece for piece in pieces if piece[2] is not None and staged.group_of(piece[2]) is None]
             depth = self.pacing.ahead or len(pieces)
         issued: list[Pending] = []
         in_flight: deque[tuple[Pending, Slots, tuple[int, int] | None, bool, float, float, int, ThreadUsage]] = deque()
@@ -221,7 +274,10 @@ class BlockMover(DiskCopies):
                 else:
                     if sums is not None and grouping is None:
                         self._verify(sums, Tier.HOST, s, host.slots, s)
-                    issued.append(self._from_slots(region, b, host.slots, s, pages, mark is not None))
+                    if staged is not None and pages is not None and (g := staged.group_of(pages)) is not None:
+                        issued.append(self._from_stage(region, b, staged, g, mark is not None))
+                    else:
+                        issued.append(self._from_slots(region, b, host.slots, s, pages, mark is not None))
                 in_flight.append((issued[-1], s, pages, last, began, time.perf_counter(), nbytes,
                                   ThreadUsage.now().since(usage)))
                 issued.extend(words.group_issued(pages[1]) if last and pages is not None else words.catch_up())

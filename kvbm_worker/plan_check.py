@@ -12,7 +12,8 @@ Checks, in order (the first that fails decides the status):
    (OUT_OF_RANGE; G1 is no pool tier);
 3. the kind fits the call (INVALID_ARGUMENT); a transfer names one engine block per entry
    (INVALID_ARGUMENT), each inside the region (OUT_OF_RANGE), and a load writes no engine
-   block twice (INVALID_ARGUMENT).
+   block twice (INVALID_ARGUMENT); a stage (no engine blocks yet) is a LOAD (INVALID_ARGUMENT)
+   of G2 entries only (FAILED_PRECONDITION).
 
 NOTE: every id is read as unsigned 64-bit *before* any conversion: ``2**64 - 1`` read as
 int64 is -1, which passes ``< num_blocks`` and addresses the region's last block.
@@ -166,6 +167,18 @@ def check_transfer(signed: "pb.SignedPlan", key: bytes | None, pools: PoolSlots 
     if kind is PlanKind.LOAD and _has_duplicates(blocks):
         raise PlanRejected(Code.INVALID_ARGUMENT, "a load writes one engine block twice", job)
     return _batch(plan, kind, blocks)
+
+
+def check_stage(signed: "pb.SignedPlan", key: bytes | None, pools: PoolSlots | None) -> Batch:
+    """A staged ``Transfer`` (:mod:`kvbm_worker.stages`): a LOAD plan of G2 entries, before its
+    engine blocks are known (the call that names them is checked by :func:`check_transfer`)."""
+    plan = verified(signed, key, pools)
+    job = JobId(plan.job_id)
+    if int(plan.kind) != PlanKind.LOAD:
+        raise PlanRejected(Code.INVALID_ARGUMENT, f"plan kind {plan.kind}: only a load is staged", job)
+    if any(int(t) != Tier.HOST for t in plan.tiers):
+        raise PlanRejected(Code.FAILED_PRECONDITION, "a load with G3 entries lands whole blocks: nothing to stage", job)
+    return _batch(plan, PlanKind.LOAD)
 
 
 def check_command(signed: "pb.SignedPlan", key: bytes | None, pools: PoolSlots | None) -> Batch:

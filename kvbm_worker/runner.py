@@ -50,6 +50,7 @@ from .mover import BlockMover
 from .plan_check import Batch, check_command, check_not_late
 from .region_registry import RegionRegistry
 from .regions import EngineRegion
+from .stages import StageArea, StagedLoad, StageLayout
 from .transfer_calls import TransferCalls
 
 log = logging.getLogger("kvbm.worker")
@@ -65,7 +66,8 @@ class Counters:
 
     values: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
         ("bytes_stored", "bytes_loaded", "bytes_demoted", "bytes_promoted", "jobs_ok", "jobs_failed", "jobs_joined",
-         "jobs_late", "jobs_expired", "jobs_refused_busy", "corrupt_disk_slots", "corrupt_host_slots"), 0.0))
+         "jobs_late", "jobs_expired", "jobs_refused_busy", "corrupt_disk_slots", "corrupt_host_slots", "loads_staged",
+         "staged_loads_used"), 0.0))
 
     def add(self, name: str, amount: float = 1) -> None:
         self.values[name] += amount
@@ -83,6 +85,7 @@ class JobRunner(TransferCalls):
         self.counters = Counters()
         self.closing = False
         self._jobs = JobTable()
+        self.stages = StageArea()  # the load staged before its blocks exist (:mod:`.stages`)
         self._reports = TaskSet(log, "report")  # of loads, sent beside their answers
 
     def _guard(self) -> None:
@@ -97,13 +100,13 @@ class JobRunner(TransferCalls):
             raise PlanRejected(Code.RESOURCE_EXHAUSTED, f"job {batch.job_id}: {exc}", batch.job_id) from None
 
     # ------------------------------------------------------------------ Transfer (the calls: .transfer_calls)
-    async def _run_job(self, batch: Batch, region: EngineRegion, ticket: Ticket, landed: Landed | None = None
-                       ) -> Moved:
+    async def _run_job(self, batch: Batch, region: EngineRegion, ticket: Ticket, landed: Landed | None = None,
+                       staged: StagedLoad | None = None) -> Moved:
         """One transfer, whoever asked for it and whether or not they still wait. Raises
-        :class:`JobFailed` with the status to answer."""
+        :class:`JobFailed` with the status to answer. ``staged``: the load's stage, taken."""
         try:
             with region.use():  # the region is not closed under this copy (else NOT_FOUND)
-                moved = await self._copy(batch, region, ticket, landed)
+                moved = await self._copy(batch, region, ticket, landed, staged)
         except CopyFailed as exc:
             self.counters.add("jobs_failed")
             if self._of_current_leader(batch):
@@ -137,12 +140,21 @@ class JobRunner(TransferCalls):
         return moved
 
     async def _copy(self, batch: Batch, region: EngineRegion | None, ticket: Ticket,
-                    landed: Landed | None = None) -> Moved:
-        """Steps 3 to 5 of the module docstring. Raises :class:`JobFailed` when the leader says
-        no (nothing moved, nothing to report), :class:`CopyFailed` when the copy failed."""
+                    landed: Landed | None = None, staged: StagedLoad | None = None) -> Moved:
+        """Steps 3 to 5 of the module docstring (a staged load's go is its stage's). Raises
+        :class:`JobFailed` when the leader says no (nothing moved, nothing to report),
+        :class:`CopyFailed` when the copy failed."""
+        go = await self._staged_go(batch, staged)
+        grouping = self._landed_from_lane(landed)
+        layout = staged.layout if staged is not None and go is not None else None
+        if layout is not None and (grouping is None or list(layout.bounds) != grouping.bounds):
+            log.debug("job %d load: staged in other layer groups; copying every group", batch.job_id)
+            layout = None
+        if layout is not None:
+            self.counters.add("staged_loads_used")
         try:
             self._check_leader(batch)
-            deadline = min(batch.deadline, await self.gate.start_job(batch.job))
+            deadline = min(batch.deadline, go if go is not None else await self.gate.start_job(batch.job))
             self._check_leader(batch)  # the go came from the leader that issued the plan
         except JobFailed as exc:
             ticket.release()
@@ -153,10 +165,48 @@ class JobRunner(TransferCalls):
         until = deadline if batch.kind in (PlanKind.LOAD, PlanKind.STORE) else deadline + GRACE_SHARE * self.gate.grace
         try:
             nbytes, seconds = await self.lanes.run(ticket, deadline, self._on_lane, batch, region, until,
-                                                   self._landed_from_lane(landed))
+                                                   grouping, layout)
         except Exception as exc:
             raise self._failure(batch, exc) from None
         return Moved(nbytes, seconds)
+
+    async def _staged_go(self, batch: Batch, staged: StagedLoad | None) -> float | None:
+        """The go of ``staged``'s stage once its copies were issued; None if there is none (no
+        stage, or it failed: the job asks its own go and copies every group)."""
+        if staged is None or staged.task is None:
+            return None
+        try:
+            go = await asyncio.shield(staged.task)
+        except Exception as exc:  # (its own call answered it)
+            log.debug("job %d load: its stage failed (%s); copying every group", batch.job_id, exc)
+            return None
+        return go
+
+    async def _run_stage(self, batch: Batch, region: EngineRegion, ticket: Ticket, load: StagedLoad) -> float:
+        """A stage (:mod:`.stages`): the leader's go, then its copies issued on the load lane;
+        returns the go's deadline. The area is freed when it fails."""
+        try:
+            try:
+                self._check_leader(batch)
+                deadline = min(batch.deadline, await self.gate.start_job(batch.job))
+                self._check_leader(batch)
+            except JobFailed as exc:
+                ticket.release()
+                if exc.code is Code.UNAVAILABLE:
+                    raise JobFailed(Code.ABORTED, exc.message) from None
+                raise
+            try:
+                await self.lanes.run(ticket, deadline, self._stage_on_lane, batch, region, deadline, load.layout)
+            except Exception as exc:
+                raise self._failure(batch, exc) from None
+            self.counters.add("loads_staged")
+            return deadline
+        except BaseException:
+            self.stages.drop(load)
+            raise
+
+    def _stage_on_lane(self, batch: Batch, region: EngineRegion, until: float, layout: StageLayout) -> None:
+        self._lane_mover(batch).stage(batch, region, until, layout)
 
     def _of_current_leader(self, batch: Batch) -> bool:
         """NOTE: read on the event loop, where a new leader's welcome is handled: a report sent
@@ -181,7 +231,10 @@ class JobRunner(TransferCalls):
                         landed.pieces, landed.signals)
 
     def _on_lane(self, batch: Batch, region: EngineRegion | None, until: float,
-                 grouping: Grouping | None = None) -> int:
+                 grouping: Grouping | None = None, staged: StageLayout | None = None) -> int:
+        return self._lane_mover(batch).run(batch, region, until, grouping, staged)
+
+    def _lane_mover(self, batch: Batch) -> BlockMover:
         """On the lane thread, after its deadline check: the pools and the leader must still
         be the plan's (a new leader numbers its epochs and jobs from 1 again)."""
         pools = self.pools.current
@@ -190,8 +243,7 @@ class JobRunner(TransferCalls):
         if batch.job.leader_id != self.gate.leader_id:
             raise Refusal(Code.FAILED_PRECONDITION, f"leader {batch.job.leader_id} was replaced while the job was "
                                                     "queued")
-        mover: BlockMover = pools.mover
-        return mover.run(batch, region, until, grouping)
+        return pools.mover
 
     def _failure(self, batch: Batch, exc: Exception) -> CopyFailed:
         job = f"job {batch.job_id}"

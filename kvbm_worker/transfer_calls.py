@@ -16,6 +16,11 @@ attached) is answered ABORTED: this daemon and the region are still here.
 and ends with the same codes; before its outcome it streams the pages landed so far, which
 never vouch for the bytes (only the outcome does). Layer groups are for loads only, at most
 :data:`~kvbm_client.contract.MAX_LAYER_GROUPS`; a load that reads G3 lands whole blocks.
+
+A ``Transfer`` with ``stage`` (:mod:`.stages`) stages a load before its engine blocks exist: the
+plan's checks, the leader's go, then its first layer groups into the staging area on the load
+lane; the first call of the same plan that names the blocks starts the job with them (no second
+go: the stage's stands). A stage that cannot be made is FAILED_PRECONDITION; nothing moved.
 """
 from __future__ import annotations
 
@@ -36,10 +41,11 @@ from .grouping import groupable
 from .jobs import Job, JobTable, Landed, Moved
 from .lanes import Ticket
 from .leader_gate import LeaderGate
-from .plan_check import Batch, check_not_late, check_transfer
+from .plan_check import Batch, check_not_late, check_stage, check_transfer
 from .region_registry import RegionRegistry
 from .regions import EngineRegion
 from .signals import JobSignals, request_target
+from .stages import StageArea, StagedLoad, StageLayout
 
 if TYPE_CHECKING:
     from .runner import Counters
@@ -72,6 +78,7 @@ class TransferCalls:
     gate: LeaderGate
     counters: Counters
     _jobs: JobTable
+    stages: StageArea
 
     if TYPE_CHECKING:  # the runner's (JobRunner defines them)
         def _guard(self) -> None: ...
@@ -79,10 +86,15 @@ class TransferCalls:
         def _admit(self, batch: Batch) -> Ticket: ...
 
         async def _run_job(self, batch: Batch, region: EngineRegion, ticket: Ticket,
-                           landed: Landed | None = None) -> Moved: ...
+                           landed: Landed | None = None, staged: StagedLoad | None = None) -> Moved: ...
+
+        async def _run_stage(self, batch: Batch, region: EngineRegion, ticket: Ticket, load: StagedLoad
+                             ) -> float: ...
 
     # ------------------------------------------------------------------ Transfer
     async def transfer(self, request: "pb.TransferRequest") -> "pb.TransferResponse":
+        if request.stage:
+            return await self._stage(request)
         call = self._start_or_join(request)
         moved = await asyncio.shield(call.job.task)
         return call.response(moved)
@@ -91,6 +103,8 @@ class TransferCalls:
         """``TransferLayers``: the job's landed pages as they grow, then its outcome. A job
         that fails raises (after the pages that landed were reported: the caller's whole load
         counts as failed)."""
+        if request.stage:
+            raise PlanRejected(Code.INVALID_ARGUMENT, "a stage is a Transfer call, not TransferLayers")
         call = self._start_or_join(request)
         landed = call.job.landed
         per_block = landed.pages_per_block if landed is not None else call.region.num_layers
@@ -108,6 +122,60 @@ class TransferCalls:
                 waiter.cancel()
         moved = await asyncio.shield(call.job.task)
         yield pb.TransferProgress(pages_landed=per_block, pages_per_block=per_block, done=call.response(moved))
+
+    async def _stage(self, request: "pb.TransferRequest") -> "pb.TransferResponse":
+        """A ``Transfer`` with ``stage``: checked, then staged after the leader's go (module docstring)."""
+        received = time.perf_counter()
+        self._guard()
+        region = self.regions.get(request.region_id)
+        if region is None:
+            raise PlanRejected(Code.NOT_FOUND, f"unknown region {request.region_id!r}")
+        try:
+            batch = check_stage(request.plan, self.gate.plan_key, self.pools.current)
+        except PlanRejected as exc:
+            if exc.code is Code.UNAVAILABLE:
+                raise PlanRejected(Code.ABORTED, exc.message, exc.job_id) from None
+            raise
+        job_id = batch.job_id
+        if request.engine_blocks or request.signal_slot:
+            raise PlanRejected(Code.INVALID_ARGUMENT, f"job {job_id}: a stage names no engine blocks and no "
+                                                      "signal word (the call that names the blocks does)", job_id)
+        groups = self._layer_groups(request, batch, region)
+        now = time.monotonic()
+        check_not_late(batch, now)
+
+        def refuse(why: str) -> PlanRejected:
+            log.debug("job %d load: not staged, %s", job_id, why)
+            return PlanRejected(Code.FAILED_PRECONDITION, f"job {job_id}: not staged, {why}", job_id)
+        if groups < 2:
+            raise refuse("a stage takes a load's leading layer groups (layer_groups >= 2)")
+        if self._jobs.get(batch.job) is not None:
+            raise refuse("its job has started")
+        pools = self.pools.current
+        assert pools is not None  # (check_stage verified the plan's epoch against them)
+        why = pools.mover.stage_refusal(region)
+        if why is not None:
+            raise refuse(why)
+        bounds = self.pools.path.pacing.bounds(region.num_layers, groups)
+        layout = StageLayout.fit(len(batch.slots), bounds, region.page_bytes, pools.mover.stage_bytes)
+        if layout is None:
+            raise refuse(f"its first layer group of {len(batch.slots)} blocks is over the staging area "
+                         f"({pools.mover.stage_bytes >> 20} MiB)")
+        load = self.stages.claim(batch.job, region.region_id, layout, now, batch.deadline)
+        if load is None:
+            raise refuse("the staging area holds another load")
+        try:
+            ticket = self._admit(batch)
+        except PlanRejected:
+            self.stages.drop(load)
+            raise
+        task = load.task = asyncio.ensure_future(self._run_stage(batch, region, ticket, load))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # (also read by the binding call)
+        await asyncio.shield(task)
+        log.debug("job %d load: staged %d of %d layer groups, %d blocks (%.1f MiB), in %.2f ms", job_id,
+                  layout.staged, len(bounds), layout.blocks, layout.nbytes / (1 << 20),
+                  (time.perf_counter() - received) * 1e3)
+        return pb.TransferResponse(job_id=job_id, bytes=layout.nbytes, waited_seconds=time.perf_counter() - received)
 
     def _start_or_join(self, request: "pb.TransferRequest") -> "_Call":
         """Check ``request`` and start its job, or join the job of the same plan."""
@@ -129,11 +197,13 @@ class TransferCalls:
         job = self._jobs.get(batch.job)
         joined = job is not None
         if job is None:
-            check_not_late(batch, time.monotonic())
+            now = time.monotonic()
+            check_not_late(batch, now)
             ticket = self._admit(batch)
+            staged = self.stages.take(batch.job, region.region_id, now) if batch.kind is PlanKind.LOAD else None
             signals = JobSignals(region.signals) if region.signals is not None else None
             landed = Landed(region.num_layers, groups, signals=signals) if groups > 1 else None
-            task = asyncio.ensure_future(self._run_job(batch, region, ticket, landed))
+            task = asyncio.ensure_future(self._run_job(batch, region, ticket, landed, staged))
             task.add_done_callback(lambda t: t.cancelled() or t.exception())  # outcome read by the callers
             job = self._jobs.add(Job(batch.job, region.region_id, batch.engine_blocks, batch.deadline, task, landed),
                                  time.monotonic())

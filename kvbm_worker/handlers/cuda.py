@@ -30,8 +30,10 @@ from ..mover import BlockMover
 from ..pending import Pending
 from ..pools import DiskPool, HostPool
 from ..regions import EngineRegion, Peer, RegionError
+from ..stages import StageLayout
 from .cuda_copier import MECHANISMS as MECHANISMS
 from .cuda_copier import CopyMechanism, CudaCopier as CudaCopier, Direction
+from .cuda_stage import CudaStage
 from .issuers import SPLIT_MIN_COPIES
 from .pinned import PIN_CHUNK, PinnedHost
 
@@ -87,9 +89,10 @@ class CudaMover(BlockMover):
                  store_yield_ms: float = STORE_YIELD_MS, device: int,
                  mechanism: CopyMechanism = CopyMechanism.AUTO, progress: Callable[[float], None] | None = None,
                  deadline: float | None = None, issue_threads: int = 1,
-                 split_min: int = SPLIT_MIN_COPIES) -> None:
+                 split_min: int = SPLIT_MIN_COPIES, stage_bytes: int = 0) -> None:
         super().__init__(host, disk, disk_io, host_checksums=host_checksums, pacing=pacing,
-                         store_yield_ms=store_yield_ms)
+                         store_yield_ms=store_yield_ms, stage_bytes=stage_bytes)
+        self.staging: CudaStage | None = None
         self.device = device
         self.pinned = PinnedHost(device)
         try:
@@ -99,6 +102,8 @@ class CudaMover(BlockMover):
             for buf in self.bounce.values():
                 self.pinned.pin(buf.slots.ctypes.data, buf.slots.nbytes)
             self.copier = CudaCopier(device, self.pinned, mechanism, issue_threads=issue_threads, split_min=split_min)
+            if stage_bytes:
+                self.staging = CudaStage(self.copier, stage_bytes)
         except BaseException:
             self.pinned.close()
             super().close()
@@ -131,6 +136,24 @@ class CudaMover(BlockMover):
         addrs = rows.ctypes.data + picks * rows.shape[1]
         return _Event(self.copier.copy(Direction.H2D, region, blocks, addrs, wait=False, pages=pages, timed=timed))
 
+    def stage_refusal(self, region: EngineRegion) -> str | None:
+        if not isinstance(region, CudaEngineRegion) or self.staging is None:
+            return super().stage_refusal(region)
+        return self.staging.can_scatter(region)
+
+    def _to_stage(self, region: EngineRegion, rows: Rows, picks: Ids, layout: StageLayout) -> None:
+        if not isinstance(region, CudaEngineRegion):
+            return super()._to_stage(region, rows, picks, layout)
+        assert self.staging is not None, "a stage without a staging area"
+        self.staging.stage(rows.ctypes.data + picks * rows.shape[1], layout)
+
+    def _from_stage(self, region: EngineRegion, blocks: EngineBlocks, layout: StageLayout, g: int,
+                    timed: bool = False) -> Pending:
+        if not isinstance(region, CudaEngineRegion):
+            return super()._from_stage(region, blocks, layout, g, timed)
+        assert self.staging is not None, "a staged group without a staging area"
+        return _Event(self.staging.scatter(region, blocks, layout, g))
+
     def _signal(self, region: EngineRegion, slot: int, value: int) -> Pending:
         if not isinstance(region, CudaEngineRegion):
             return super()._signal(region, slot, value)
@@ -147,7 +170,9 @@ class CudaMover(BlockMover):
         return float(mark.elapsed_time(copy.event))  # type: ignore[attr-defined]  # (a torch.cuda.Event)
 
     def close(self) -> None:
-        copier = getattr(self, "copier", None)
+        staging, copier = getattr(self, "staging", None), getattr(self, "copier", None)
+        if staging is not None:
+            staging.close()
         if copier is not None:
             copier.close()
         self.pinned.close()

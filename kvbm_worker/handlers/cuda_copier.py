@@ -42,6 +42,7 @@ from ..id_arrays import EngineBlocks
 from ..runs import page_range, segments
 from . import cudart_direct
 from .cudart_direct import BATCH_MAX
+from .gather_views import GatherViews as GatherViews
 from .issuers import SPLIT_MIN_COPIES, Issuers
 from .pinned import PinnedHost
 from .signal_words import SignalWords
@@ -76,32 +77,6 @@ def _event(timed: bool = False) -> Any:
     import torch
     new: Any = torch.cuda.Event
     return new(enable_timing=timed)
-
-
-class GatherViews:
-    """Page-granular views of a region's buffers, for the gather mechanism (``ok`` is False
-    when a layer's offset or stride is not a multiple of the page size)."""
-
-    def __init__(self, region: CudaEngineRegion) -> None:
-        import torch
-        p = region.page_bytes
-        self.wide = p % 8 == 0 and all(ptr % 8 == 0 for ptr in region.buffer_ptrs)
-        self.groups: list[tuple[npt.NDArray[np.int64], Any]] = []  # (layer indices, pages view)
-        offsets = np.array([ls.offset_bytes for ls in region.layers], np.int64)
-        by_buffer: dict[int, list[int]] = {}
-        for i, ls in enumerate(region.layers):
-            by_buffer.setdefault(ls.buffer_index, []).append(i)
-        self.ok = bool(np.all(offsets % p == 0) and np.all(region.layer_stride % p == 0))
-        self.page_offset = offsets // p
-        self.page_stride = region.layer_stride // p
-        self.single = False
-        if not self.ok:
-            return
-        for b, layer_ids in by_buffer.items():
-            buf = region.buffers[b]
-            pages = buf[:(buf.numel() // p) * p].view(-1, p)
-            self.groups.append((np.array(layer_ids, np.int64), pages.view(torch.int64) if self.wide else pages))
-        self.single = len(self.groups) == 1 and np.array_equal(self.groups[0][0], np.arange(region.num_layers))
 
 
 class CudaCopier:
@@ -302,7 +277,18 @@ class CudaCopier:
             if err != ok:
                 raise CudaError(f"cudaMemcpyAsync({n} bytes): {getattr(err, 'name', err)}")
 
+    def issue_h2d(self, src: Addrs, dst: Addrs, unit: int) -> None:
+        """``unit``-byte copies pinned host ``src[i]`` -> device ``dst[i]`` on the load stream, by
+        the mechanism whole-block DMAs use (not waited for: :meth:`mark` after them)."""
+        mech = CopyMechanism.DIRECT if self._direct is not None else \
+            CopyMechanism.BATCH if self._batch_ok is not False else CopyMechanism.RUNS
+        self._dma(src, dst, unit, True, mech, self.streams[Direction.H2D])
+
     # ------------------------------------------------------------------ gather / scatter
+    def gather_views(self, region: CudaEngineRegion) -> GatherViews:
+        """``region``'s page views (made once per region)."""
+        return self._gather_views(region)
+
     def _gather_views(self, region: CudaEngineRegion) -> GatherViews:
         views = self._views.get(region.region_id)
         if views is None:

@@ -101,6 +101,48 @@ def test_layerwise_load_through_ipc(gpu_node):
     client.unregister_region("0")
 
 
+@pytest.mark.parametrize("layout", ["cross", "layers"])
+@pytest.mark.parametrize("area", ["first", "all"])
+def test_a_staged_load_through_ipc(gpu_node, layout, area):
+    """A load staged before its blocks are named (``--stage-mib``): its first layer group (or
+    every group) copied into the worker's GPU staging area, then scattered into the engine's
+    blocks by index_copy_ kernels once a TransferLayers call names them; bytes equal."""
+    from kvbm_client.channels import open_channel
+    from kvbm_client.contract import pb, rpc
+    from kvbm_client.leader_session import LeaderSession
+    from kvbm_worker.grouping import GroupPacing
+    pages, page_bytes, n = 2 * LAYERS, 16 * 2 * 64 * 2, 40
+    bounds = GroupPacing().bounds(pages, 3)
+    first = n * bounds[0] * page_bytes
+    mib = first / (1 << 20) if area == "first" else 64
+    node = gpu_node("--stage-mib", str(mib), DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS="64")
+    client = node.client()
+    kv = make_kv(layout, NUM_BLOCKS, LAYERS)
+    fill_random(kv, 1)
+    client.register_region("0", export_kv_cache(kv, block_dim=block_dim(layout)))
+    client.wait_ready(60)
+    hs, src = keys(n, 4), list(range(3, 3 + n))
+    ref = [block_bytes(kv, layout, b).clone() for b in src]
+    client.wait(client.offload(hs, src))
+    fill_random(kv, 2)
+    dst = list(range(50, 50 + n))
+    with LeaderSession(node.leader_address, timeout=5) as session:
+        load = session.prepare_load(hs)
+        stub = rpc.WorkerStub(open_channel(node.config().worker_address("0"), node.config()))
+        signed = pb.SignedPlan(plan=load.signed.plan, signature=load.signed.signature)
+        staged = stub.Transfer(pb.TransferRequest(region_id=client.region_id("0"), layer_groups=3, plan=signed,
+                                                  stage=True), timeout=30)
+        assert staged.bytes == (first if area == "first" else n * pages * page_bytes)
+        request = pb.TransferRequest(region_id=client.region_id("0"), engine_blocks=dst, layer_groups=3, plan=signed)
+        messages = list(stub.TransferLayers(request, timeout=30))
+        counters = stub.Status(pb.WorkerStatusRequest(), timeout=5).counters
+    assert messages[-1].HasField("done") and messages[-1].pages_landed == pages
+    assert counters["staged_loads_used"] == 1
+    for d, r in zip(dst, ref):
+        assert torch.equal(block_bytes(kv, layout, d), r), f"block {d} onboarded wrong bytes"
+    client.unregister_region("0")
+
+
 def test_layerwise_load_worker_killed_mid_load(gpu_node):
     """kill -9 of the GPU worker between two layer groups of a load: the engine side's layer
     wait returns at once with a failure (no hang), and the call fails (the engine recomputes)."""

@@ -27,8 +27,8 @@ class Node(LocalNode):
     """One node (a leader and its workers as child processes, logs in ``root``) and the test's
     engine buffers and clients, closed with it."""
 
-    def __init__(self, root: Path, env: dict[str, str], num_workers: int) -> None:
-        super().__init__(env, num_workers, log_dir=root)
+    def __init__(self, root: Path, env: dict[str, str], num_workers: int, worker_args: tuple[str, ...] = ()) -> None:
+        super().__init__(env, num_workers, log_dir=root, worker_args=worker_args)
         self.root = root
         self.buffers: list[ShmKvBuffer] = []
         self.clients: list[KvbmClient] = []
@@ -84,13 +84,13 @@ def node_env(root: Path, overrides: dict, drop: tuple[str, ...] = ()) -> dict[st
 
 @pytest.fixture
 def make_node(tmp_path: Path) -> Iterator[Callable[..., Node]]:
-    """Factory: ``make_node(num_workers=1, start=True, **DYN_KVBM_* overrides)``."""
+    """Factory: ``make_node(num_workers=1, start=True, worker_args=(), **DYN_KVBM_* overrides)``."""
     nodes: list[Node] = []
 
-    def factory(num_workers: int = 1, start: bool = True, **env: str) -> Node:
+    def factory(num_workers: int = 1, start: bool = True, worker_args: tuple[str, ...] = (), **env: str) -> Node:
         root = tmp_path / f"node{len(nodes)}"
         root.mkdir()
-        node = Node(root, node_env(root, env), num_workers)
+        node = Node(root, node_env(root, env), num_workers, worker_args)
         nodes.append(node)
         return node.start() if start else node
 

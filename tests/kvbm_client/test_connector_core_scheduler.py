@@ -82,9 +82,14 @@ class Request:
 class FakeEarly:
     def __init__(self) -> None:
         self.sent = []
+        self.staged: list[tuple[bytes, bytes, int]] = []
 
     def submit(self, spec):
         self.sent.append(spec)
+        return 1
+
+    def stage(self, plan, signature, layer_groups):
+        self.staged.append((plan, signature, layer_groups))
         return 1
 
     def close(self):
@@ -92,9 +97,10 @@ class FakeEarly:
 
 
 def make(leader: FakeLeader, mode: str = "sync", early=None, overlapping_steps: int = 1,
-         store_blocks: bool = True, min_computed_tokens: int = 1) -> SchedulerCore:
+         store_blocks: bool = True, min_computed_tokens: int = 1, staged_loads: bool = False) -> SchedulerCore:
     settings = ConnectorSettings("unix:/l", "unix:/w-{id}", "model|float16|4", 1.0, 1.0, load_mode=mode,
-                                 store_blocks=store_blocks, min_computed_tokens=min_computed_tokens)
+                                 store_blocks=store_blocks, min_computed_tokens=min_computed_tokens,
+                                 staged_loads=staged_loads)
     return SchedulerCore(BS, settings, leader, lambda r: r.extras, early, overlapping_steps=overlapping_steps)
 
 
@@ -152,6 +158,26 @@ def test_a_hit_is_loaded_into_the_blocks_after_the_local_prefix_and_not_stored_a
     assert plan.loads == [load]
     assert plan.stores == [], "the loaded blocks are in kvbm already"
     assert core.lookup(req, 5 * BS) == (0, False), "a request loads once"
+
+
+@pytest.mark.parametrize("mode,staged_loads,stages", [("layerwise", True, 1), ("layerwise", False, 0),
+                                                      ("sync", True, 0)])
+def test_a_new_hit_is_staged_right_after_its_lookup_once(mode, staged_loads, stages):
+    """With staged_loads (and layer groups: layerwise), the hit's plan goes to the workers at its
+    lookup, before the engine allocated blocks; asked again while it waits, it is not staged again."""
+    leader, early = FakeLeader(), FakeEarly()
+    run_prefill(make(leader), Request("x", list(range(21))), [0, 1, 2, 3, 4, 5])
+    core = make(leader, mode=mode, early=early, staged_loads=staged_loads)
+    req = Request("y", list(range(21)))
+    assert core.lookup(req, 0) == (5 * BS, False)
+    assert core.lookup(req, 0) == (5 * BS, False)  # the engine asks again (e.g. no room this step)
+    assert len(early.staged) == stages and early.sent == []
+    if stages:
+        plan, signature, groups = early.staged[0]
+        assert plan == b"plan-2" and signature == b"sig" and groups == 6  # the hit's plan, its layer groups
+    core.allocated("y", [10, 11, 12, 13, 14, 15], 5 * BS)
+    core.step({"y": 21})
+    assert len(early.sent) == 1 and len(early.staged) == stages, "the early load follows; no second stage"
 
 
 @pytest.mark.parametrize("length,least,loaded", [(21, 1, 5), (21, 2, 4), (22, 2, 5), (23, 5, 4), (20, 1, 4),

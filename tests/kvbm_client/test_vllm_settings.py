@@ -37,6 +37,14 @@ def test_a_malformed_early_loads_flag_is_refused(settings):
         settings.ConnectorSettings.from_extra({"early_loads": "sometimes"}, "ns")
 
 
+@pytest.mark.parametrize("value,expected", [(None, False), ("true", True), (True, True), ("0", False)])
+def test_staged_loads_are_off_unless_turned_on(settings, value, expected):
+    extra = {} if value is None else {"staged_loads": value}
+    assert settings.ConnectorSettings.from_extra(extra, "ns").staged_loads is expected
+    with pytest.raises(ValueError, match="staged_loads='maybe': true or false"):
+        settings.ConnectorSettings.from_extra({"staged_loads": "maybe"}, "ns")
+
+
 @pytest.mark.parametrize("value,expected", [(None, "tail"), ("eager", "eager"), ("EAGER", "eager"),
                                             (True, "true"), ("on", "true"), (False, "false"), ("0", "false"),
                                             ("tail", "tail"), (" Tail", "tail"), ("after_first", "after_first")])

@@ -21,6 +21,7 @@ from kvbm_worker.mover import BlockMover
 from kvbm_worker.plan_check import Batch
 from kvbm_worker.pools import DiskPool, HostPool, SlotGeometry
 from kvbm_worker.regions import EngineRegion, Peer
+from kvbm_worker.stages import StageLayout
 
 LAYERS, PAGE, BLOCKS = 3, 1000, 32  # 3000-byte blocks in 4096-byte slots
 FAR = 1e18  # a time limit that never passes
@@ -194,6 +195,41 @@ def test_a_layer_grouped_load_lands_group_by_group_and_times_every_piece(rig):
     assert [r.page(b).tobytes() for b in (10, 11, 12, 13)] == [p.tobytes() for p in before]
     assert len(pieces) == len(group_pieces(4, [1, 3], PAGE, 2 * PAGE))
     assert all(p.began <= p.issued <= p.landed and p.gpu_ms is None for p in pieces)
+
+
+def test_a_staged_load_takes_its_staged_groups_from_the_area_and_the_rest_from_the_slots(rig):
+    """Staged groups are the bytes read at the stage (the slots are overwritten after it here, to
+    tell the two sources apart), the other groups those of the slots when the blocks are known."""
+    r = rig()
+    r.mover.stage_bytes = 4 * PAGE  # the first group (page 0) of 4 blocks; not the second (pages 1, 2)
+    r.run(PlanKind.STORE, Tier.HOST, slots=[0, 1, 2, 3], blocks=[4, 5, 6, 7])
+    staged_then = r.engine.array[[4, 5, 6, 7]].copy()
+    ids = lambda v: np.asarray(v, np.int64)  # noqa: E731
+    batch = Batch(PlanKind.LOAD, JobKey("L", 1, JobId(3)), FAR, ids([Tier.HOST] * 4), ids([0, 1, 2, 3]))
+    layout = StageLayout.fit(4, [1, 3], PAGE, r.mover.stage_bytes)
+    assert layout is not None and layout.staged == 1 and layout.nbytes == 4 * PAGE
+    r.mover.stage(batch, r.region, FAR, layout)
+    r.host.slots[[0, 1, 2, 3]] = 9  # (not what a job's pinned slots ever see: only to tell the sources apart)
+    r.engine.array[[10, 11, 12, 13]] = 0
+    landed: list[int] = []
+    load = Batch(PlanKind.LOAD, JobKey("L", 1, JobId(3)), FAR, ids([Tier.HOST] * 4), ids([0, 1, 2, 3]),
+                 ids([13, 10, 12, 11]))
+    r.mover.run(load, r.region, FAR, mover_module.Grouping([1, 3], landed.append), layout)
+    assert landed == [1, 3]
+    got = r.engine.array[[13, 10, 12, 11]]
+    assert np.array_equal(got[:, 0], staged_then[:, 0]), "group 0 (layer 0) from the area"
+    assert (got[:, 1:] == 9).all(), "group 1 (layers 1, 2) from the slots"
+
+
+def test_stage_layouts_fit_the_leading_groups_the_area_holds():
+    assert StageLayout.fit(10, [4, 6, 7, 8], 100, 10 * 4 * 100 - 1) is None
+    small = StageLayout.fit(10, [4, 6, 7, 8], 100, 10 * 6 * 100)
+    assert small is not None and small.staged == 2 and small.nbytes == 6000
+    assert small.pages(1) == (4, 6) and small.group_offset(1) == 4000 and small.group_bytes(1) == 200
+    assert small.block_offsets(1).tolist() == [4000 + 200 * i for i in range(10)]
+    assert small.group_of((4, 6)) == 1 and small.group_of((6, 7)) is None
+    whole = StageLayout.fit(10, [4, 6, 7, 8], 100, 1 << 20)
+    assert whole is not None and whole.staged == 4 and whole.nbytes == 8000
 
 
 # ---------------------------------------------------------------------- layer groups: cutting and pacing

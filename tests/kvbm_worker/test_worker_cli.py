@@ -67,3 +67,12 @@ def test_a_stores_wait_for_loads_comes_from_the_arguments_and_is_bounded():
     for bad in ("-1", "10001"):
         with pytest.raises(KvbmConfigError, match="--store-yield-ms"):
             data_path(build_parser().parse_args(["--gpu", "0", "--store-yield-ms", bad]))
+
+
+def test_the_staging_area_comes_from_the_arguments_and_is_bounded():
+    assert data_path(build_parser().parse_args([])).stage_bytes == 0, "no staging area unless asked for"
+    assert data_path(build_parser().parse_args(["--gpu", "0", "--stage-mib", "512"])).stage_bytes == 512 << 20
+    assert data_path(build_parser().parse_args(["--stage-mib", "0.5"])).stage_bytes == 1 << 19
+    for bad in ("-1", str(64 * 1024 + 1)):
+        with pytest.raises(KvbmConfigError, match="--stage-mib"):
+            data_path(build_parser().parse_args(["--stage-mib", bad]))

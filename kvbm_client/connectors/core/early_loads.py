@@ -1,4 +1,5 @@
-"""Early loads: the scheduler side starts a hit's copy as soon as the engine allocated its blocks.
+"""Early loads: the scheduler side starts a hit's copy as soon as the engine allocated its blocks
+(and, with ``staged_loads``, stages it on the worker daemons right after its lookup).
 
 Without it the copy starts in the worker side's ``start_load_kv``, after the scheduler
 finished the step and the model runner prepared its inputs (~15 ms on a 20K-token request,
@@ -9,7 +10,9 @@ daemon(s) once the engine allocated the blocks, at the end of the step's schedul
 daemon runs a job once per plan, so the worker side's own ``Transfer`` joins the copy already
 running and returns when it is done. The worker side's call stays the one whose answer
 counts: an early call that fails only costs the head start (it is logged at debug level and
-never waited for).
+never waited for). A stage (``staged_loads``, sent from :meth:`EarlyLoads.stage` right after
+the lookup) is such a call too: the worker copies the hit's first layer groups into its own
+staging area meanwhile, and the early load (or the worker side's call) takes them from there.
 
 Runs on the engine's scheduler thread: one non-blocking gRPC call per worker per load, plus
 one small file read to learn the engine's region on a worker when it is not known yet (at
@@ -70,13 +73,20 @@ class _WorkerLink:
         self.pending: "list[grpc.Future[Any]]" = []
 
     def submit(self, spec: LoadSpec) -> bool:
+        return self._send(spec.plan, spec.signature, spec.layer_groups, spec.engine_blocks)
+
+    def stage(self, plan: bytes, signature: bytes, layer_groups: int) -> bool:
+        return self._send(plan, signature, layer_groups, stage=True)
+
+    def _send(self, plan: bytes, signature: bytes, layer_groups: int, engine_blocks: Sequence[int] = (),
+              stage: bool = False) -> bool:
         self._reap()
         region_id = self._region()
         if region_id is None:
             return False
-        request = pb.TransferRequest(region_id=region_id, plan=pb.SignedPlan(plan=spec.plan, signature=spec.signature),
-                                     engine_blocks=spec.engine_blocks, sent_at=time.time(),
-                                     layer_groups=spec.layer_groups)
+        request = pb.TransferRequest(region_id=region_id, plan=pb.SignedPlan(plan=plan, signature=signature),
+                                     engine_blocks=engine_blocks, sent_at=time.time(), layer_groups=layer_groups,
+                                     stage=stage)
         self.pending.append(self.stub.Transfer.future(request, timeout=max(self.timeout_s, 30.0)))
         return True
 
@@ -120,6 +130,12 @@ class EarlyLoads:
     def submit(self, spec: LoadSpec) -> int:
         """Send ``spec`` to each worker; returns how many calls went out."""
         return sum(link.submit(spec) for link in self._links)
+
+    def stage(self, plan: bytes, signature: bytes, layer_groups: int) -> int:
+        """Stage a hit's plan on each worker before the engine allocated its blocks (a worker
+        that cannot stage it answers FAILED_PRECONDITION: logged at debug level, nothing lost);
+        returns how many calls went out."""
+        return sum(link.stage(plan, signature, layer_groups) for link in self._links)
 
     def close(self) -> None:
         for link in self._links:

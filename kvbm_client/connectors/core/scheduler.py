@@ -77,6 +77,11 @@ class SchedulerCore:
         self._leader = leader
         self._extras_of = extras_of
         self._early = early
+        #: stage each new hit right after its lookup (``staged_loads``: early loads in layer groups)
+        self._stages = early is not None and settings.staged_loads and settings.load_layer_groups > 1
+        if settings.staged_loads and not self._stages:
+            log.info("kvbm: staged_loads is on, but hits are not staged: they need early loads and load_mode "
+                     "layerwise (with layer_groups > 1)")
         #: plans each step's stores off this thread; they ship with the next step (None: each
         #: step's ``PrepareStore`` is answered here and its stores ship with it)
         self._planner = store_planner
@@ -114,8 +119,18 @@ class SchedulerCore:
     # ------------------------------------------------------------------ 1. lookup
     def lookup(self, request: EngineRequest, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens kvbm loads after the engine's ``num_computed_tokens`` local ones, and
-        whether the load is asynchronous (the request then waits for it): see :mod:`.lookup`."""
-        return self._lookup.ask(self._track(request), num_computed_tokens)
+        whether the load is asynchronous (the request then waits for it): see :mod:`.lookup`.
+        A new hit is staged on the worker daemons at once with ``staged_loads``."""
+        state = self._track(request)
+        held = state.load
+        answer = self._lookup.ask(state, num_computed_tokens)
+        if self._stages and state.load is not None and state.load is not held and state.load.signed is not None:
+            assert self._early is not None
+            sent = self._early.stage(state.load.signed.plan, state.load.signed.signature,
+                                     self.settings.load_layer_groups)
+            if tracing():
+                trace("stage", req=request.request_id, blocks=state.load.num_blocks, workers=sent)
+        return answer
 
     # ------------------------------------------------------------------ 2. allocation
     def pending_load(self, req_id: str) -> bool:

@@ -471,7 +471,7 @@ class UnregisterRegionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class TransferRequest(_message.Message):
-    __slots__ = ("region_id", "plan", "engine_blocks", "sent_at", "layer_groups", "signal_slot", "signal_base")
+    __slots__ = ("region_id", "plan", "engine_blocks", "sent_at", "layer_groups", "signal_slot", "signal_base", "stage")
     REGION_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     ENGINE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -479,6 +479,7 @@ class TransferRequest(_message.Message):
     LAYER_GROUPS_FIELD_NUMBER: _ClassVar[int]
     SIGNAL_SLOT_FIELD_NUMBER: _ClassVar[int]
     SIGNAL_BASE_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
     region_id: str
     plan: SignedPlan
     engine_blocks: _containers.RepeatedScalarFieldContainer[int]
@@ -486,7 +487,8 @@ class TransferRequest(_message.Message):
     layer_groups: int
     signal_slot: int
     signal_base: int
-    def __init__(self, region_id: _Optional[str] = ..., plan: _Optional[_Union[SignedPlan, _Mapping]] = ..., engine_blocks: _Optional[_Iterable[int]] = ..., sent_at: _Optional[float] = ..., layer_groups: _Optional[int] = ..., signal_slot: _Optional[int] = ..., signal_base: _Optional[int] = ...) -> None: ...
+    stage: bool
+    def __init__(self, region_id: _Optional[str] = ..., plan: _Optional[_Union[SignedPlan, _Mapping]] = ..., engine_blocks: _Optional[_Iterable[int]] = ..., sent_at: _Optional[float] = ..., layer_groups: _Optional[int] = ..., signal_slot: _Optional[int] = ..., signal_base: _Optional[int] = ..., stage: _Optional[bool] = ...) -> None: ...
 
 class TransferProgress(_message.Message):
     __slots__ = ("pages_landed", "pages_per_block", "done")

@@ -1,0 +1,134 @@
+"""Loads staged before the engine allocated their blocks (``TransferRequest.stage``): the layout
+of a staged load in the worker's staging area, and the one staged load the area holds.
+
+Pure and synchronous (the caller passes the clock); the area's memory and its copies are the
+mover's (:meth:`~.mover.BlockMover.stage`), the calls the runner's (:mod:`.transfer_calls`).
+
+Why: a hit's copy can start only once the engine allocated the blocks it lands in, some ms after
+the lookup that found it (vLLM 0.26, 20K tokens: 4-5 ms of allocation, then the early load's
+call and the leader's go). A stage sent right after the lookup copies the first layer groups of
+every block into the worker's own memory meanwhile; once the blocks are known, one scatter per
+staged group (device to device on a GPU) puts them in place while the other groups are copied
+as before (``benchmarks/staging_scatter.py``: one staged group of a 20K load covers 8 ms).
+
+Invariants:
+
+* one staged load at a time: a stage claims the area only when it is free or the load in it is
+  past its hold (``hold_s`` after the claim, or the go's deadline, whichever comes first);
+* the staged bytes are read after the leader's go for the plan's job (``StartTransfer``), so
+  they are the plan's blocks: the leader keeps a started job's slots until this worker reported
+  it or the job expired (``kvbm_leader.jobs``); a stage whose go is refused frees the area;
+* a staged load is taken at most once, by the first ``Transfer`` of its plan (same job key and
+  region) that comes within its hold, and used only if that call's layer groups have the staged
+  bounds; any other call takes nothing and runs unstaged;
+* the area is written again only by copies issued after the taking job's (one load lane, one
+  copy stream; the CPU medium copies synchronously).
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+import numpy as np
+import numpy.typing as npt
+
+from .jobs import JobKey
+
+Ids = npt.NDArray[np.int64]
+#: NOTE: how long a staged load waits for its blocks: vLLM allocates them in the step of the
+#: lookup (ms), but a request that does not fit the step keeps its plan for a later one.
+STAGE_HOLD_S = 1.0
+MAX_STAGE_MIB = 64 << 10
+
+
+@dataclass(frozen=True, slots=True)
+class StageLayout:
+    """Where a staged load lies in the area: group ``g`` of block ``i`` (its pages
+    ``[first(g), end(g))``, one run in the slot) at ``group_offset(g) + i * group_bytes(g)``.
+    Groups ``0 .. staged-1`` are staged; ``bounds`` are the load's group end pages."""
+
+    blocks: int
+    bounds: tuple[int, ...]
+    staged: int
+    page_bytes: int
+
+    @staticmethod
+    def fit(blocks: int, bounds: list[int], page_bytes: int, capacity: int) -> "StageLayout | None":
+        """The most leading groups of a ``blocks``-block load that fit ``capacity`` bytes (None:
+        not even the first fits)."""
+        staged = 0
+        while staged < len(bounds) and blocks * bounds[staged] * page_bytes <= capacity:
+            staged += 1
+        return StageLayout(blocks, tuple(bounds), staged, page_bytes) if staged else None
+
+    def pages(self, g: int) -> tuple[int, int]:
+        return (self.bounds[g - 1] if g else 0), self.bounds[g]
+
+    def group_bytes(self, g: int) -> int:
+        first, end = self.pages(g)
+        return (end - first) * self.page_bytes
+
+    def group_offset(self, g: int) -> int:
+        return self.blocks * self.pages(g)[0] * self.page_bytes
+
+    def block_offsets(self, g: int) -> Ids:
+        """Offset of group ``g`` of every block, in block order."""
+        return self.group_offset(g) + np.arange(self.blocks, dtype=np.int64) * self.group_bytes(g)
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks * self.bounds[self.staged - 1] * self.page_bytes
+
+    def group_of(self, pages: tuple[int, int]) -> int | None:
+        """The staged group whose pages are ``pages``, or None."""
+        for g in range(self.staged):
+            if self.pages(g) == pages:
+                return g
+        return None
+
+
+@dataclass(slots=True)
+class StagedLoad:
+    """One staged load: its plan's job, the region it was staged for, its layout, and the
+    staging itself (``task``: the go's deadline once its copies were issued, on the copy
+    stream the job's own copies follow; it raises when the go was refused or the copies failed)."""
+
+    job: JobKey
+    region_id: str
+    layout: StageLayout
+    hold_until: float  # monotonic
+    task: "asyncio.Future[float] | None" = None
+
+
+class StageArea:
+    """The worker's one staged load (see the module docstring). On the event loop."""
+
+    def __init__(self, hold_s: float = STAGE_HOLD_S) -> None:
+        self.hold_s = hold_s
+        self.current: StagedLoad | None = None
+
+    def busy(self, now: float) -> bool:
+        """Whether a staged load holds the area (not taken, within its hold)."""
+        return self.current is not None and now < self.current.hold_until
+
+    def claim(self, job: JobKey, region_id: str, layout: StageLayout, now: float, deadline: float) -> StagedLoad | None:
+        """The area for ``job`` (its plan's ``deadline`` bounds the hold), or None while another holds it."""
+        if self.busy(now):
+            return None
+        self.current = StagedLoad(job, region_id, layout, min(now + self.hold_s, deadline))
+        return self.current
+
+    def take(self, job: JobKey, region_id: str, now: float) -> StagedLoad | None:
+        """The staged load of ``job`` for ``region_id`` within its hold, once (the area is free
+        after); None otherwise (a staged load of another plan stays)."""
+        load = self.current
+        if load is None or load.job != job:
+            return None
+        self.current = None
+        if load.region_id != region_id or now >= load.hold_until:
+            return None
+        return load
+
+    def drop(self, load: StagedLoad) -> None:
+        """Free the area if ``load`` still holds it (its go was refused or its copies failed)."""
+        if self.current is load:
+            self.current = None

@@ -1,0 +1,152 @@
+"""Staged loads (``TransferRequest.stage``, ``kvbm-worker --stage-mib``) on the real daemons: a
+load's leading layer groups are copied into the worker's staging area before the engine's
+blocks are known, and the call that names the blocks lands them from there; every refusal
+moves nothing, and a stage never leaves the node serving bytes it cannot vouch for."""
+from __future__ import annotations
+
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from kvbm_client.contract import pb
+from test_layerwise_loads import LAYERS, PAGE, Setup, hashes
+
+N = 6  # blocks of Setup's load
+FIRST = N * 4 * PAGE  # the first of 4 front-loaded groups (pages 0..3) of every block
+STAGE_SMALL = ("--stage-mib", str(FIRST / (1 << 20)))  # room for that group only
+STAGE_ALL = ("--stage-mib", "1")
+
+
+def stage(s: Setup, groups: int = 4, plan=None, **fields) -> "pb.TransferResponse":
+    request = s.request([], groups, plan)
+    request.stage = True
+    for name, value in fields.items():
+        if name == "engine_blocks":
+            request.engine_blocks.extend(value)
+        else:
+            setattr(request, name, value)
+    return s.stub.Transfer(request, timeout=10)
+
+
+def counters(s: Setup) -> dict[str, float]:
+    return dict(s.stub.Status(pb.WorkerStatusRequest(), timeout=5).counters)
+
+
+def refused(call, code: grpc.StatusCode, words: str) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    assert err.value.code() == code, err.value.details()
+    assert words in err.value.details(), err.value.details()
+
+
+@pytest.mark.parametrize("area, staged", [(STAGE_SMALL, FIRST), (STAGE_ALL, N * LAYERS * PAGE)])
+def test_a_staged_load_lands_its_groups_from_the_area(make_node, area, staged):
+    s = Setup(make_node(worker_args=area))
+    dst = [40, 41, 42, 43, 44, 45]
+    s.array[dst] = 0
+    answer = stage(s)
+    assert answer.bytes == staged and answer.job_id == pb.TransferPlan.FromString(s.load.signed.plan).job_id
+    assert not s.array[dst].any(), "a stage wrote into the engine before its blocks were named"
+    messages = list(s.stub.TransferLayers(s.request(dst, 4), timeout=20))
+    assert messages[-1].HasField("done") and messages[-1].done.bytes == N * LAYERS * PAGE
+    assert [m.pages_landed for m in messages][-1] == LAYERS
+    assert np.array_equal(s.array[dst], s.array[0:6])
+    c = counters(s)
+    assert c["loads_staged"] == 1 and c["staged_loads_used"] == 1 and c["jobs_ok"] >= 1
+    log = s.node.log_tails(chars=1 << 20)
+    assert f"job {answer.job_id} load: staged" in log
+
+
+def test_the_worker_side_joins_the_staged_job(make_node):
+    """The scheduler side stages, then starts the load early with the blocks; the worker side's
+    own call joins that job (the three calls the vLLM connector makes)."""
+    s = Setup(make_node(worker_args=STAGE_SMALL))
+    dst = [30, 31, 32, 33, 34, 35]
+    s.array[dst] = 0
+    stage(s)
+    early = s.stub.Transfer.future(s.request(dst, 4), timeout=10)
+    messages = list(s.stub.TransferLayers(s.request(dst, 4), timeout=10))
+    assert early.result().bytes == messages[-1].done.bytes == N * LAYERS * PAGE
+    assert messages[-1].done.joined or early.result().joined
+    assert np.array_equal(s.array[dst], s.array[0:6])
+    assert counters(s)["staged_loads_used"] == 1
+
+
+def test_stage_refusals_move_nothing(make_node):
+    s = Setup(make_node(worker_args=STAGE_SMALL))
+    dst = [50, 51, 52, 53, 54, 55]
+    s.array[dst] = 0
+    before = counters(s)
+    refused(lambda: stage(s, groups=1), grpc.StatusCode.FAILED_PRECONDITION, "layer_groups >= 2")
+    refused(lambda: stage(s, engine_blocks=dst), grpc.StatusCode.INVALID_ARGUMENT, "names no engine blocks")
+    refused(lambda: stage(s, signal_slot=1), grpc.StatusCode.INVALID_ARGUMENT, "names no engine blocks")
+    store = s.session.prepare_store(hashes(2, seed=5))
+    refused(lambda: stage(s, plan=store.signed), grpc.StatusCode.INVALID_ARGUMENT, "only a load is staged")
+    forged = pb.TransferPlan.FromString(s.load.signed.plan)
+    forged.job_id += 1000
+    refused(lambda: stage(s, plan=pb.SignedPlan(plan=forged.SerializeToString(), signature=s.load.signed.signature)),
+            grpc.StatusCode.PERMISSION_DENIED, "not signed")
+    refused(lambda: stage(s, region_id="nope"), grpc.StatusCode.NOT_FOUND, "unknown region")
+    request = s.request([], 4)
+    request.stage = True
+    refused(lambda: list(s.stub.TransferLayers(request, timeout=10)), grpc.StatusCode.INVALID_ARGUMENT,
+            "a stage is a Transfer call")
+    c = counters(s)
+    assert c["loads_staged"] == 0 and c["jobs_ok"] == before["jobs_ok"]
+    assert not s.array[dst].any()
+    # the plan was never started by any of them: it still loads (unstaged: nothing was staged)
+    s.stub.Transfer(s.request(dst, 4), timeout=10)
+    assert np.array_equal(s.array[dst], s.array[0:6])
+
+
+def test_a_worker_without_an_area_refuses_to_stage(make_node):
+    s = Setup(make_node())
+    refused(lambda: stage(s), grpc.StatusCode.FAILED_PRECONDITION, "no staging area")
+
+
+def test_one_staged_load_at_a_time_and_a_bad_bind_takes_nothing(make_node):
+    s = Setup(make_node(worker_args=STAGE_SMALL))
+    other = s.session.prepare_load(hashes(N))  # a second plan of the same blocks
+    stage(s)
+    refused(lambda: stage(s, plan=other.signed), grpc.StatusCode.FAILED_PRECONDITION, "holds another load")
+    # a call of the staged plan that fails its checks takes nothing: the stage stays for the right one
+    refused(lambda: s.stub.Transfer(s.request([999] * N, 4), timeout=10), grpc.StatusCode.OUT_OF_RANGE, "engine block")
+    dst = [20, 21, 22, 23, 24, 25]
+    s.array[dst] = 0
+    s.stub.Transfer(s.request(dst, 4), timeout=10)
+    assert np.array_equal(s.array[dst], s.array[0:6])
+    assert counters(s)["staged_loads_used"] == 1
+    stage(s, plan=other.signed)  # the area is free again once its load was taken
+    # a stage of a job that has started is refused
+    refused(lambda: stage(s), grpc.StatusCode.FAILED_PRECONDITION, "its job has started")
+
+
+def test_a_stage_not_taken_within_its_hold_frees_the_area(make_node):
+    s = Setup(make_node(worker_args=STAGE_SMALL))
+    other = s.session.prepare_load(hashes(N))
+    stage(s)
+    time.sleep(1.2)  # STAGE_HOLD_S
+    stage(s, plan=other.signed)  # claims the area the first left
+    dst = [10, 11, 12, 13, 14, 15]
+    s.array[dst] = 0
+    s.stub.Transfer(s.request(dst, 4), timeout=10)  # the first plan: its stage is gone, every group copied
+    assert np.array_equal(s.array[dst], s.array[0:6])
+    assert counters(s)["staged_loads_used"] == 0
+    dst = [16, 17, 18, 19, 20, 21]
+    s.array[dst] = 0
+    s.stub.Transfer(s.request(dst, 4, plan=other.signed), timeout=10)
+    assert np.array_equal(s.array[dst], s.array[0:6])
+    assert counters(s)["staged_loads_used"] == 1
+
+
+def test_a_call_in_other_layer_groups_copies_every_group(make_node):
+    s = Setup(make_node(worker_args=STAGE_ALL))
+    stage(s, groups=4)
+    dst = [46, 47, 48, 49, 50, 51]
+    s.array[dst] = 0
+    s.stub.Transfer(s.request(dst, 2), timeout=10)
+    assert np.array_equal(s.array[dst], s.array[0:6])
+    assert counters(s)["staged_loads_used"] == 0
+    assert "staged in other layer groups" in s.node.log_tails(chars=1 << 20)
