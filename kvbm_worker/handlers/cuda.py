@@ -81,7 +81,8 @@ class _Event:
 
 class CudaMover(BlockMover):
     """The GPU worker's copy executor: pins G2 and the bounce buffers, copies CUDA regions'
-    pages with a :class:`CudaCopier`. Owns the pinned registrations and the copier.
+    pages with a :class:`CudaCopier`. Owns the pinned registrations, the copier and the
+    staging area (:class:`~.cuda_stage.CudaStage`, with ``stage_bytes``).
     """
 
     def __init__(self, host: HostPool | None, disk: DiskPool | None, disk_io: TimedDiskIO | None, *,
@@ -105,6 +106,8 @@ class CudaMover(BlockMover):
             if stage_bytes:
                 self.staging = CudaStage(self.copier, stage_bytes)
         except BaseException:
+            if getattr(self, "copier", None) is not None:
+                self.copier.close()
             self.pinned.close()
             super().close()
             raise
