@@ -144,6 +144,14 @@ class JobRunner(TransferCalls):
         """Steps 3 to 5 of the module docstring (a staged load's go is its stage's). Raises
         :class:`JobFailed` when the leader says no (nothing moved, nothing to report),
         :class:`CopyFailed` when the copy failed."""
+        try:
+            return await self._go_and_copy(batch, region, ticket, landed, staged)
+        finally:
+            if staged is not None:
+                self.stages.release(staged)  # (its copies from the area are done, or were never issued)
+
+    async def _go_and_copy(self, batch: Batch, region: EngineRegion | None, ticket: Ticket,
+                           landed: Landed | None, staged: StagedLoad | None) -> Moved:
         go = await self._staged_go(batch, staged)
         grouping = self._landed_from_lane(landed)
         layout = staged.layout if staged is not None and go is not None else None
@@ -202,7 +210,7 @@ class JobRunner(TransferCalls):
             self.counters.add("loads_staged")
             return deadline
         except BaseException:
-            self.stages.drop(load)
+            self.stages.release(load)
             raise
 
     def _stage_on_lane(self, batch: Batch, region: EngineRegion, until: float, layout: StageLayout) -> None:

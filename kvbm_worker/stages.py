@@ -13,21 +13,24 @@ as before (``benchmarks/staging_scatter.py``: one staged group of a 20K load cov
 
 Invariants:
 
-* one staged load at a time: a stage claims the area only when it is free or the load in it is
-  past its hold (``hold_s`` after the claim, or the go's deadline, whichever comes first);
+* one staged load at a time: a stage claims the area only when it is free. A staged load holds
+  it until its own copies were issued (its ``task`` is done: a slow go cannot land them after a
+  newer stage's), and then until it is taken and released, or, not taken, until its hold passed
+  (``hold_s`` after the claim, or the plan's deadline, whichever comes first);
 * the staged bytes are read after the leader's go for the plan's job (``StartTransfer``), so
   they are the plan's blocks: the leader keeps a started job's slots until this worker reported
   it or the job expired (``kvbm_leader.jobs``); a stage whose go is refused frees the area;
 * a staged load is taken at most once, by the first ``Transfer`` of its plan (same job key and
   region) that comes within its hold, and used only if that call's layer groups have the staged
   bounds; any other call takes nothing and runs unstaged;
-* the area is written again only by copies issued after the taking job's (one load lane, one
-  copy stream; the CPU medium copies synchronously).
+* the taking job releases the area once its copies from it are done (:meth:`StageArea.release`),
+  so the area is written again only by copies issued after them.
 """
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+
 import numpy as np
 import numpy.typing as npt
 
@@ -97,6 +100,7 @@ class StagedLoad:
     layout: StageLayout
     hold_until: float  # monotonic
     task: "asyncio.Future[float] | None" = None
+    taken: bool = False  # by the call that named its blocks; holds the area until it is released
 
 
 class StageArea:
@@ -107,8 +111,12 @@ class StageArea:
         self.current: StagedLoad | None = None
 
     def busy(self, now: float) -> bool:
-        """Whether a staged load holds the area (not taken, within its hold)."""
-        return self.current is not None and now < self.current.hold_until
+        """Whether a staged load holds the area."""
+        load = self.current
+        if load is None:
+            return False
+        issuing = load.task is not None and not load.task.done()
+        return issuing or load.taken or now < load.hold_until
 
     def claim(self, job: JobKey, region_id: str, layout: StageLayout, now: float, deadline: float) -> StagedLoad | None:
         """The area for ``job`` (its plan's ``deadline`` bounds the hold), or None while another holds it."""
@@ -118,17 +126,16 @@ class StageArea:
         return self.current
 
     def take(self, job: JobKey, region_id: str, now: float) -> StagedLoad | None:
-        """The staged load of ``job`` for ``region_id`` within its hold, once (the area is free
-        after); None otherwise (a staged load of another plan stays)."""
+        """The staged load of ``job`` for ``region_id`` within its hold, once; the caller then
+        holds the area until :meth:`release`. None otherwise (a staged load of another plan, or
+        one past its hold, stays until it is free by the rules above)."""
         load = self.current
-        if load is None or load.job != job:
+        if load is None or load.job != job or load.taken or load.region_id != region_id or now >= load.hold_until:
             return None
-        self.current = None
-        if load.region_id != region_id or now >= load.hold_until:
-            return None
+        load.taken = True
         return load
 
-    def drop(self, load: StagedLoad) -> None:
-        """Free the area if ``load`` still holds it (its go was refused or its copies failed)."""
+    def release(self, load: StagedLoad) -> None:
+        """The area is free again: ``load``'s copies from it are done, or its stage failed."""
         if self.current is load:
             self.current = None

@@ -167,7 +167,7 @@ class TransferCalls:
         try:
             ticket = self._admit(batch)
         except PlanRejected:
-            self.stages.drop(load)
+            self.stages.release(load)
             raise
         task = load.task = asyncio.ensure_future(self._run_stage(batch, region, ticket, load))
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # (also read by the binding call)

@@ -221,17 +221,6 @@ def test_a_staged_load_takes_its_staged_groups_from_the_area_and_the_rest_from_t
     assert (got[:, 1:] == 9).all(), "group 1 (layers 1, 2) from the slots"
 
 
-def test_stage_layouts_fit_the_leading_groups_the_area_holds():
-    assert StageLayout.fit(10, [4, 6, 7, 8], 100, 10 * 4 * 100 - 1) is None
-    small = StageLayout.fit(10, [4, 6, 7, 8], 100, 10 * 6 * 100)
-    assert small is not None and small.staged == 2 and small.nbytes == 6000
-    assert small.pages(1) == (4, 6) and small.group_offset(1) == 4000 and small.group_bytes(1) == 200
-    assert small.block_offsets(1).tolist() == [4000 + 200 * i for i in range(10)]
-    assert small.group_of((4, 6)) == 1 and small.group_of((6, 7)) is None
-    whole = StageLayout.fit(10, [4, 6, 7, 8], 100, 1 << 20)
-    assert whole is not None and whole.staged == 4 and whole.nbytes == 8000
-
-
 # ---------------------------------------------------------------------- layer groups: cutting and pacing
 class Deferred(BlockMover):
     """The CPU medium with an asynchronous face: a load's copy happens at issue, but it counts as

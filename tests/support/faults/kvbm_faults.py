@@ -126,11 +126,12 @@ def _patch_mover(module: ModuleType) -> None:
     if early:
         early_run = mover.run
 
-        def lying_run(self: Any, batch: Any, region: Any, until: float, grouping: Any = None) -> int:
+        def lying_run(self: Any, batch: Any, region: Any, until: float, grouping: Any = None,
+                      staged: Any = None) -> int:
             if grouping is not None:
                 note(f"layers early: {grouping.bounds[-1]} pages reported landed before the copy")
                 grouping.landed(grouping.bounds[-1])
-            return int(early_run(self, batch, region, until, grouping))
+            return int(early_run(self, batch, region, until, grouping, staged))
 
         mover.run = lying_run
     if corrupt or fail:
@@ -150,17 +151,19 @@ def _patch_mover(module: ModuleType) -> None:
     if delay:
         run = mover.run
 
-        def slow_run(self: Any, batch: Any, region: Any, until: float, grouping: Any = None) -> int:
+        def slow_run(self: Any, batch: Any, region: Any, until: float, grouping: Any = None,
+                     staged: Any = None) -> int:
             time.sleep(delay)
-            return int(run(self, batch, region, until, grouping))
+            return int(run(self, batch, region, until, grouping, staged))
 
         mover.run = slow_run
     if JOBS:
         inner = mover.run
 
-        def faulty_run(self: Any, batch: Any, region: Any, until: float, grouping: Any = None) -> int:
+        def faulty_run(self: Any, batch: Any, region: Any, until: float, grouping: Any = None,
+                       staged: Any = None) -> int:
             JOBS.before(batch)
-            return int(inner(self, batch, region, until, grouping))
+            return int(inner(self, batch, region, until, grouping, staged))
 
         mover.run = faulty_run
         _patch_chunks(mover)
