@@ -10,7 +10,9 @@ import grpc
 import numpy as np
 import pytest
 
-from kvbm_client.contract import pb
+from kvbm_client.channels import open_channel
+from kvbm_client.contract import pb, rpc
+from kvbm_client.leader_session import LeaderSession
 from test_layerwise_loads import LAYERS, PAGE, Setup, hashes
 
 N = 6  # blocks of Setup's load
@@ -150,3 +152,26 @@ def test_a_call_in_other_layer_groups_copies_every_group(make_node):
     assert np.array_equal(s.array[dst], s.array[0:6])
     assert counters(s)["staged_loads_used"] == 0
     assert "staged in other layer groups" in s.node.log_tails(chars=1 << 20)
+
+
+def test_each_worker_stages_its_own_shard(make_node):
+    """Tensor parallelism: the scheduler side sends the stage to every worker; each stages its
+    own shard of the plan and lands it in its own engine's blocks."""
+    node = make_node(num_workers=2, worker_args=STAGE_SMALL)
+    client, engines = node.ready_client(num_layers=LAYERS, page_bytes=PAGE)
+    keys = hashes(N)
+    client.wait(client.offload(keys, list(range(N))))
+    with LeaderSession(node.leader_address, timeout=5) as session:
+        load = session.prepare_load(keys)
+        signed = pb.SignedPlan(plan=load.signed.plan, signature=load.signed.signature)
+        dst = [40, 41, 42, 43, 44, 45]
+        for w in ("0", "1"):
+            stub = rpc.WorkerStub(open_channel(node.config().worker_address(w), node.config()))
+            engines[w].array[dst] = 0
+            region = client.region_id(w)
+            assert stub.Transfer(pb.TransferRequest(region_id=region, plan=signed, layer_groups=4, stage=True),
+                                 timeout=10).bytes == FIRST
+            stub.Transfer(pb.TransferRequest(region_id=region, plan=signed, engine_blocks=dst, layer_groups=4),
+                          timeout=10)
+            assert np.array_equal(engines[w].array[dst], engines[w].array[0:6]), f"worker {w}"
+            assert dict(stub.Status(pb.WorkerStatusRequest(), timeout=5).counters)["staged_loads_used"] == 1
