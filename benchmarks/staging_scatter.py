@@ -45,6 +45,7 @@ import torch
 from gpu_bench import ipc_engine, open_ipc, pinned_copier, write_result
 
 from kvbm_worker.cuda_region import check, cudart
+from kvbm_worker.grouping import even_bounds
 from kvbm_worker.handlers.cuda_copier import CopyMechanism, CudaCopier, Direction
 
 BLOCK, PAGES = 2304 << 10, 36
@@ -58,17 +59,27 @@ def timed(copier: CudaCopier, src: np.ndarray, dst: np.ndarray, unit: int, host_
     torch.cuda.synchronize()
     start.record(stream)
     c = time.thread_time()
-    copier._dma(src, dst, unit, host_src, CopyMechanism(copier.mechanism if copier.mechanism != "auto" else "direct"),
-                stream)
+    copier._dma(src, dst, unit, host_src, mechanism(copier), stream)
     cpu = (time.thread_time() - c) * 1e3
     end.record(stream)
     end.synchronize()
     return start.elapsed_time(end), cpu
 
 
+def mechanism(copier: CudaCopier) -> CopyMechanism:
+    """The copier's mechanism, ``direct`` for ``auto`` (the daemon's default)."""
+    return CopyMechanism(copier.mechanism if copier.mechanism != "auto" else "direct")
+
+
+def page_bounds(groups: int) -> list[tuple[int, int]]:
+    """Each layer group's pages ``[lo, hi)`` of a block, equal groups (the daemon's ``even`` shape)."""
+    ends = even_bounds(PAGES, groups)
+    return list(zip([0, *ends[:-1]], ends))
+
+
 def grouped(src_base: np.ndarray, dst_base: np.ndarray, groups: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
     """Per group, per block: the group's pages (one run per block and group), groups outermost."""
-    bounds = [(g * PAGES // groups, (g + 1) * PAGES // groups) for g in range(groups)]
+    bounds = page_bounds(groups)
     s = np.concatenate([src_base + lo * PAGE for lo, _ in bounds])
     d = np.concatenate([dst_base + lo * PAGE for lo, _ in bounds])
     sizes = [(hi - lo) * PAGE for lo, hi in bounds]
@@ -87,11 +98,10 @@ class DeviceRange:
 def kernel_scatter(kv: torch.Tensor, staging: torch.Tensor, idx: torch.Tensor, groups: int) -> None:
     """Staged block ``i`` (``staging[i]``) -> engine block ``idx[i]`` (``kv[idx[i]]``), one
     ``index_copy_`` per layer group, groups in order (as a layer-pipelined load lands them). Both
-    are ``[blocks, words]`` int64 views; the group bounds are :func:`grouped`'s."""
+    are ``[blocks, words]`` int64 views; the group bounds are :func:`page_bounds`'."""
     words = PAGE // 8
-    for g in range(groups):
-        lo, hi = g * PAGES // groups * words, (g + 1) * PAGES // groups * words
-        kv[:, lo:hi].index_copy_(0, idx, staging[:, lo:hi])
+    for lo, hi in page_bounds(groups):
+        kv[:, lo * words:hi * words].index_copy_(0, idx, staging[:, lo * words:hi * words])
 
 
 def timed_kernel(stream: Any, kv: torch.Tensor, staging: torch.Tensor, idx: torch.Tensor, groups: int
@@ -114,10 +124,9 @@ def pipeline(copier: CudaCopier, slots: np.ndarray, blocks: np.ndarray, kv: torc
     """One run of the ``pipeline`` timeline (module docstring): per group, ms from t0 until it is
     in the engine's blocks. ``kv``: the engine's ``[blocks, words]`` int64 view; ``staging``: a
     device uint8 buffer of at least every block's bytes; ``side``: the kernels' stream."""
-    stream = copier.streams[Direction.H2D]
-    mech = CopyMechanism(copier.mechanism if copier.mechanism != "auto" else "direct")
+    stream, mech = copier.streams[Direction.H2D], mechanism(copier)
     n, words = len(slots), PAGE // 8
-    bounds = [(g * PAGES // groups, (g + 1) * PAGES // groups) for g in range(groups)]
+    bounds = page_bounds(groups)
     t0 = torch.cuda.Event(enable_timing=True)
     landed = [torch.cuda.Event(enable_timing=True) for _ in range(groups)]
     staged_at: list[Any] = []

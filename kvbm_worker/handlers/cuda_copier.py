@@ -137,9 +137,7 @@ class CudaCopier:
             half = nbytes // 2
             h, d = np.array([host_src, host_src + half]), np.array([dev.data_ptr(), dev.data_ptr() + half])
             src, dst = (d, h) if direction is Direction.D2H else (h, d)
-            mech = CopyMechanism.DIRECT if self._direct is not None else \
-                CopyMechanism.BATCH if self._attr is not None else CopyMechanism.RUNS
-            self._issue(src, dst, np.array([half, half]), mech, stream)
+            self._issue(src, dst, np.array([half, half]), self._dma_mechanism(), stream)
             self._record(stream).synchronize()
             del host, dev
 
@@ -212,7 +210,7 @@ class CudaCopier:
 
     def _choose(self, region: CudaEngineRegion, blocks: EngineBlocks, host_addrs: Addrs,
                 mech: CopyMechanism) -> CopyMechanism:
-        if mech is CopyMechanism.GATHER and not self._gather_views(region).ok:
+        if mech is CopyMechanism.GATHER and not self.gather_views(region).ok:
             mech = CopyMechanism.AUTO
         if mech is CopyMechanism.DIRECT and self._direct is None:
             mech = CopyMechanism.BATCH  # (its check failed at start: logged there)
@@ -227,7 +225,7 @@ class CudaCopier:
             return CopyMechanism.BATCH
         src, dst = self._pages(Direction.D2H, region, EngineBlocks(blocks[:64]), host_addrs[:64])
         _, _, lengths = segments(src, dst, region.page_bytes)
-        if lengths.mean() >= AUTO_DMA_MIN_BYTES or not self._gather_views(region).ok:
+        if lengths.mean() >= AUTO_DMA_MIN_BYTES or not self.gather_views(region).ok:
             return CopyMechanism.RUNS
         return CopyMechanism.GATHER
 
@@ -280,16 +278,16 @@ class CudaCopier:
     def issue_h2d(self, src: Addrs, dst: Addrs, unit: int) -> None:
         """``unit``-byte copies pinned host ``src[i]`` -> device ``dst[i]`` on the load stream, by
         the mechanism whole-block DMAs use (not waited for: :meth:`mark` after them)."""
-        mech = CopyMechanism.DIRECT if self._direct is not None else \
+        self._dma(src, dst, unit, True, self._dma_mechanism(), self.streams[Direction.H2D])
+
+    def _dma_mechanism(self) -> CopyMechanism:
+        """How whole runs are issued here: the direct calls, else the batch API where it works, else one by one."""
+        return CopyMechanism.DIRECT if self._direct is not None else \
             CopyMechanism.BATCH if self._batch_ok is not False else CopyMechanism.RUNS
-        self._dma(src, dst, unit, True, mech, self.streams[Direction.H2D])
 
     # ------------------------------------------------------------------ gather / scatter
     def gather_views(self, region: CudaEngineRegion) -> GatherViews:
         """``region``'s page views (made once per region)."""
-        return self._gather_views(region)
-
-    def _gather_views(self, region: CudaEngineRegion) -> GatherViews:
         views = self._views.get(region.region_id)
         if views is None:
             views = GatherViews(region)
@@ -306,7 +304,7 @@ class CudaCopier:
     def _gather(self, direction: Direction, region: CudaEngineRegion, blocks: EngineBlocks, host_addrs: Addrs,
                 stream: Any) -> None:
         import torch
-        views = self._gather_views(region)
+        views = self.gather_views(region)
         region.check_blocks(blocks)  # the page indices below address the region's buffers
         nl, p = region.num_layers, region.page_bytes
         block_bytes = nl * p
