@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -25,11 +26,25 @@ from .handles import TransferHandle, load_handle, store_handle
 from .config import KvbmConfig
 from .contract import pb, rpc
 from .errors import KvbmError, from_rpc_error
-from .ids import BlockHash, SessionId
+from .ids import BlockHash, SessionId, WorkerId
 from .presence import PresenceView
 from .session import SessionCore
 
 log = logging.getLogger("kvbm.client")
+
+
+@dataclass(frozen=True, slots=True)
+class StageAsk:
+    """A lookup's request to stage the load it plans (``PrepareLoadRequest.stage``): the
+    leader sends the signed plan to each named worker before it answers, and each copies the
+    load's first of ``layer_groups`` groups into its staging area (``kvbm-worker --stage-mib``)."""
+
+    layer_groups: int
+    targets: tuple[tuple[WorkerId, str], ...]  # (worker, the engine's region id on it)
+
+    def wire(self) -> "pb.LoadStage":
+        return pb.LoadStage(layer_groups=self.layer_groups,
+                            targets=[pb.StageTarget(worker_id=w, region_id=r) for w, r in self.targets])
 
 
 class LeaderSession:
@@ -142,13 +157,16 @@ class LeaderSession:
 
     # ------------------------------------------------------------------ calls
     def prepare_load(self, hashes: Sequence[BlockHash], count_hit: bool = False,
-                     tokens_per_block: int = 0, prefill_tokens_per_s: float = 0.0) -> TransferHandle:
+                     tokens_per_block: int = 0, prefill_tokens_per_s: float = 0.0,
+                     stage: StageAsk | None = None) -> TransferHandle:
         """Plan and pin the longest stored prefix of ``hashes`` (``count_hit``: also count the
-        lookup; ``prefill_tokens_per_s`` > 0: only as far as loading beats recomputing)."""
-        resp = self._telling("PrepareLoad", pb.PrepareLoadRequest(hashes=list(hashes), count_hit=count_hit,
-                                                                 tokens_per_block=tokens_per_block,
-                                                                 prefill_tokens_per_s=prefill_tokens_per_s))
-        return load_handle(resp)
+        lookup; ``prefill_tokens_per_s`` > 0: only as far as loading beats recomputing;
+        ``stage``: the leader stages the plan on those workers before it answers)."""
+        request = pb.PrepareLoadRequest(hashes=list(hashes), count_hit=count_hit, tokens_per_block=tokens_per_block,
+                                        prefill_tokens_per_s=prefill_tokens_per_s)
+        if stage is not None:
+            request.stage.CopyFrom(stage.wire())
+        return load_handle(self._telling("PrepareLoad", request))
 
     def prepare_store(self, hashes: Sequence[BlockHash]) -> TransferHandle:
         """Plan slots for the entries of ``hashes`` not stored yet (``indices``: which)."""

@@ -1,7 +1,8 @@
 """The worker fleet: attaching workers, their layouts, pool (re)plans and lost workers.
 
 Runs in the leader, on its event loop. Decides the worker RPCs ``Attach``, ``SetLayout`` and
-``PoolsReady`` (the access policy let only the node's daemons call them). Owns the one reset
+``PoolsReady`` (the access policy let only the node's daemons call them), and which workers a
+lookup's stage goes to (``PrepareLoadRequest.stage``: sent on their streams, decided by them). Owns the one reset
 both a lost worker and a re-plan go through (:meth:`WorkerFleet.reset`): every job fails
 (counted in ``kvbm_failed_jobs``), every block is forgotten (``kvbm_lost_blocks``), routers
 are told (``cleared``). With ``DYN_KVBM_DISK_PERSIST`` a reset leaves the persistent G3
@@ -12,10 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator
+import time
+from typing import AsyncIterator, Sequence
 
 from kvbm_client.config import KvbmConfig
-from kvbm_client.contract import pb
+from kvbm_client.contract import MAX_LAYER_GROUPS, pb
 from kvbm_client.ids import Tier, WorkerId
 
 from .events import KvEventFeed
@@ -29,6 +31,8 @@ from .restore import G3Restorer
 from .streams import WorkerStreams
 
 log = logging.getLogger("kvbm.leader")
+#: the most workers one lookup's stage names (one per tensor-parallel rank of an engine)
+MAX_STAGE_TARGETS = 64
 
 
 class WorkerFleet:
@@ -156,6 +160,46 @@ class WorkerFleet:
         log.info("worker %s pools ready (epoch %d)%s", record.worker_id, pools.epoch,
                  "; node ready" if self.membership.ready else
                  "; restoring G3" if self.membership.restoring is not None else "")
+
+    # ------------------------------------------------------------------ stages (PrepareLoad.stage)
+    def stage_targets(self, stage: "pb.LoadStage") -> list[tuple[WorkerId, str]]:
+        """The (worker, region) pairs of a lookup's stage, or :class:`Refused` (INVALID) for one
+        out of bounds: ``layer_groups`` in 2..MAX_LAYER_GROUPS, 1..MAX_STAGE_TARGETS targets,
+        each worker once, names within ``DYN_KVBM_MAX_NAME_BYTES``."""
+        if not 2 <= stage.layer_groups <= MAX_LAYER_GROUPS:
+            raise Refused(Why.INVALID, f"stage.layer_groups={stage.layer_groups}; a stage takes 2 to "
+                                       f"{MAX_LAYER_GROUPS}")
+        if not 1 <= len(stage.targets) <= MAX_STAGE_TARGETS:
+            raise Refused(Why.INVALID, f"stage of {len(stage.targets)} targets; 1 to {MAX_STAGE_TARGETS}")
+        targets: list[tuple[WorkerId, str]] = []
+        for target in stage.targets:
+            self.check_name("stage target worker_id", target.worker_id)
+            self.check_name("stage target region_id", target.region_id)
+            if not target.region_id:
+                raise Refused(Why.INVALID, f"stage target {target.worker_id!r} names no region")
+            if any(w == target.worker_id for w, _ in targets):
+                raise Refused(Why.INVALID, f"stage names worker {target.worker_id!r} twice")
+            targets.append((WorkerId(target.worker_id), target.region_id))
+        return targets
+
+    def send_stage(self, job_id: int, signed: "pb.SignedPlan", tiers: Sequence[Tier], layer_groups: int,
+                   targets: Sequence[tuple[WorkerId, str]]) -> int:
+        """Send a just-planned load's stage to each target worker's stream (a worker not
+        attached is skipped; a plan with G3 entries is not staged: workers stage G2 blocks
+        only); returns how many were sent. The worker checks and decides it (:mod:`kvbm_worker.stages`)."""
+        if Tier.DISK in tiers:
+            log.debug("job %d load: not staged, it reads G3", job_id)
+            return 0
+        sent = []
+        for worker_id, region_id in targets:
+            request = pb.TransferRequest(region_id=region_id, plan=signed, layer_groups=layer_groups, stage=True,
+                                         sent_at=time.time())
+            if self.streams.send(worker_id, pb.LeaderEvent(stage=request)):
+                sent.append(worker_id)
+        log.debug("job %d load: stage of %d layer groups sent to worker(s) %s%s", job_id, layer_groups,
+                  ",".join(sent) or "-", "" if len(sent) == len(targets) else
+                  f" (not attached: {','.join(w for w, _ in targets if w not in sent)})")
+        return len(sent)
 
     async def wait_attached(self, timeout: float) -> bool:
         try:

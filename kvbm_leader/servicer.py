@@ -13,7 +13,8 @@ KeepAlive          ``sessions.py``     renew the lease
 CloseSession       ``sessions.py``     end the lease; its pending jobs are released (``ledger.py``)
 Match              ``planner.py``      longest ready prefix (policy: ``placement.py``)
 PrepareStore       ``planner.py``      size limit, slots to write, evictions (``placement.py``)
-PrepareLoad        ``planner.py``      prefix to pin and load (``placement.py``)
+PrepareLoad        ``planner.py``      prefix to pin and load (``placement.py``); its stage's
+                                       workers ``fleet.py``
 Release            ``ledger.py``       roll back now, or keep reserved until started copies end
 Attach             ``fleet.py``        admit an expected worker, its event stream (``streams.py``)
 SetLayout          ``fleet.py``        validate the layout, (re)plan the pools (``membership.py``)
@@ -137,12 +138,15 @@ class LeaderServicer:
         try:
             session = self._session(request.session_id)
             keys = self._hashes(request.hashes)
+            targets = self.service.fleet.stage_targets(request.stage) if request.HasField("stage") else []
             self.service.planner.count_unasked(request.unasked_blocks)
             plan, signed = await self.service.planner.prepare_load(session, keys, request.count_hit,
                                                                    request.tokens_per_block,
                                                                    request.prefill_tokens_per_s)
         except Refused as refusal:
             await _abort(context, refusal)
+        if signed is not None and targets:  # (before the answer: the stage's copy starts meanwhile)
+            self.service.fleet.send_stage(plan.job_id, signed, plan.tiers, request.stage.layer_groups, targets)
         resp = pb.PrepareLoadResponse(num_planned=len(plan.keys), num_skipped=plan.skipped_cost)
         if signed is not None:
             resp.plan.CopyFrom(signed)

@@ -1,7 +1,8 @@
 """Worker streams: the leader's side of each worker's ``Attach`` stream.
 
 Runs in the leader, on its event loop. Owns one event queue per attached worker; the
-``Attach`` handler drains it (``Welcome`` first, then pool sizes, then ``Shutdown``). Events
+``Attach`` handler drains it (``Welcome`` first, then pool sizes and the stages clients asked
+for with their lookups, then ``Shutdown``). Events
 are put without waiting (a slow worker never holds the leader).
 """
 from __future__ import annotations
@@ -13,7 +14,6 @@ from kvbm_client.contract import pb
 from kvbm_client.ids import WorkerId
 
 from .membership import PoolSizes
-
 
 
 class WorkerStreams:
@@ -45,11 +45,16 @@ class WorkerStreams:
         """Tell one worker (or every attached worker) the pool sizes to allocate."""
         event = pb.LeaderEvent(pools=pb.PoolPlan(epoch=sizes.epoch, host_slots=sizes.host_slots,
                                                   disk_slots=sizes.disk_slots))
-        targets = [worker_id] if worker_id is not None else list(self._queues)
-        for target in targets:
-            queue = self._queues.get(target)
-            if queue is not None:
-                queue.put_nowait(event)
+        for target in [worker_id] if worker_id is not None else list(self._queues):
+            self.send(target, event)
+
+    def send(self, worker_id: WorkerId, event: "pb.LeaderEvent") -> bool:
+        """Queue ``event`` on ``worker_id``'s stream; False when it has none (not attached)."""
+        queue = self._queues.get(worker_id)
+        if queue is None:
+            return False
+        queue.put_nowait(event)
+        return True
 
     def shutdown(self, reason: str) -> None:
         """Tell every worker the leader is going, and end the streams."""

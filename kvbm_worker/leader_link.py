@@ -3,6 +3,9 @@ restart), the layout, pool plans and ``PoolsReady`` (with the G3 shard index the
 restores from, ``DYN_KVBM_DISK_PERSIST``), and each job's ``StartTransfer`` and
 ``CompleteTransfer``.
 
+The stream also carries the stages clients asked the leader for with their lookups
+(``LeaderEvent.stage``), handed to the service, which runs them beside it.
+
 Runs in the worker daemon, on its event loop. Owns the channel to the leader and what the
 current attachment implies: the leader's id, the plan key derived from it (the node key and
 ``Welcome.leader_id``; no key travels) and the leader's grace. While not attached,
@@ -43,6 +46,9 @@ class LinkPeer(Protocol):
 
     async def apply_pool_plan(self, plan: "pb.PoolPlan") -> tuple[bool, str] | None:
         """Allocate for ``plan``: (ok, error) for ``PoolsReady``, None without a layout yet."""
+
+    def stage(self, request: "pb.TransferRequest") -> None:
+        """Run a stage the leader sent (in the background: the stream is not held)."""
 
 
 class LeaderLink:
@@ -152,6 +158,9 @@ class LeaderLink:
             await self.layout_changed()
         elif which == "pools":
             await self._apply(event.pools)
+        elif which == "stage":
+            assert self._peer is not None
+            self._peer.stage(event.stage)
 
     async def _apply(self, plan: "pb.PoolPlan") -> None:
         assert self._peer is not None

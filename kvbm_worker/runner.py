@@ -191,27 +191,42 @@ class JobRunner(TransferCalls):
         return go
 
     async def _run_stage(self, batch: Batch, region: EngineRegion, ticket: Ticket, load: StagedLoad) -> float:
-        """A stage (:mod:`.stages`): the leader's go, then its copies issued on the load lane;
-        returns the go's deadline. The area is freed when it fails."""
+        """A stage (:mod:`.stages`): its copies issued on the load lane at once, the leader's go
+        asked beside them; returns the go's deadline once both are done (the staged bytes are
+        used only then). The area is freed when either fails, after the copies were issued."""
         try:
             try:
                 self._check_leader(batch)
-                deadline = min(batch.deadline, await self.gate.start_job(batch.job))
-                self._check_leader(batch)
-            except JobFailed as exc:
+            except JobFailed:
                 ticket.release()
-                if exc.code is Code.UNAVAILABLE:
-                    raise JobFailed(Code.ABORTED, exc.message) from None
                 raise
-            try:
-                await self.lanes.run(ticket, deadline, self._stage_on_lane, batch, region, deadline, load.layout)
-            except Exception as exc:
-                raise self._failure(batch, exc) from None
+            copies, go = await asyncio.gather(
+                self.lanes.run(ticket, batch.deadline, self._stage_on_lane, batch, region, batch.deadline, load.layout),
+                self._stage_go(batch), return_exceptions=True)
+            if isinstance(copies, BaseException):
+                if not isinstance(copies, Exception):
+                    raise copies
+                raise self._failure(batch, copies) from None
+            if isinstance(go, BaseException):
+                raise go
             self.counters.add("loads_staged")
-            return deadline
+            return go
         except BaseException:
             self.stages.release(load)
             raise
+
+    async def _stage_go(self, batch: Batch) -> float:
+        """The leader's go for a stage's job, asked while its copies run: the deadline it may
+        be used by. ``JobFailed`` when the leader said no (or is away: ABORTED)."""
+        try:
+            deadline = min(batch.deadline, await self.gate.start_job(batch.job))
+            self._check_leader(batch)  # the go came from the leader that issued the plan
+        except JobFailed as exc:
+            log.debug("job %d load: not staged, %s", batch.job_id, exc.message)
+            if exc.code is Code.UNAVAILABLE:
+                raise JobFailed(Code.ABORTED, exc.message) from None
+            raise
+        return deadline
 
     def _stage_on_lane(self, batch: Batch, region: EngineRegion, until: float, layout: StageLayout) -> None:
         self._lane_mover(batch).stage(batch, region, until, layout)

@@ -28,6 +28,7 @@ from kvbm_client.config import KvbmConfig
 from kvbm_client.contract import pb, rpc
 from kvbm_client.ids import WorkerId
 from kvbm_client.security import NodeKey
+from kvbm_client.tasks import TaskSet
 
 from .allocation import DataPath, PoolAllocator
 from .errors import Refusal
@@ -62,6 +63,7 @@ class WorkerService(rpc.WorkerServicer):  # type: ignore[misc]  # generated base
         self.pools = PoolAllocator(config, worker_id, path, self.lanes)
         self.runner = JobRunner(worker_id, self.lanes, self.regions, self.pools, gate, node_key)
         self.region_socket = RegionSocket(config.region_socket(worker_id), self.regions, lambda: self.runner.closing)
+        self._staging = TaskSet(log, "stage")  # stages the leader sent (nobody waits for them)
         self._closed = False
 
     # ------------------------------------------------------------------ leader link peer
@@ -74,6 +76,9 @@ class WorkerService(rpc.WorkerServicer):  # type: ignore[misc]  # generated base
             return None
         return await self.pools.apply(plan, layout)
 
+    def stage(self, request: "pb.TransferRequest") -> None:
+        self._staging.spawn(self.runner.stage_for_leader(request), "stage sent by the leader")
+
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         await self.region_socket.start()
@@ -83,6 +88,7 @@ class WorkerService(rpc.WorkerServicer):  # type: ignore[misc]  # generated base
             return
         self._closed = True
         self.runner.closing = True
+        await self._staging.close()
         await self.region_socket.close()
         await self.lanes.drain()
         self.lanes.close()

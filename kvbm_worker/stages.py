@@ -6,8 +6,9 @@ mover's (:meth:`~.mover.BlockMover.stage`), the calls the runner's (:mod:`.trans
 
 Why: a hit's copy can start only once the engine allocated the blocks it lands in, some ms after
 the lookup that found it (vLLM 0.26, 20K tokens: 4-5 ms of allocation, then the early load's
-call and the leader's go). A stage sent right after the lookup copies the first layer groups of
-every block into the worker's own memory meanwhile; once the blocks are known, one scatter per
+call and the leader's go). A stage sent at the lookup (by the leader, before it answers, when
+the lookup asks for it: ``PrepareLoadRequest.stage``; or by the client after it) copies the
+first layer groups of every block into the worker's own memory meanwhile; once the blocks are known, one scatter per
 staged group (device to device on a GPU) puts them in place while the other groups are copied
 as before (``benchmarks/staging_scatter.py``: one staged group of a 20K load covers 8 ms).
 
@@ -17,9 +18,15 @@ Invariants:
   it until its own copies were issued (its ``task`` is done: a slow go cannot land them after a
   newer stage's), and then until it is taken and released, or, not taken, until its hold passed
   (``hold_s`` after the claim, or the plan's deadline, whichever comes first);
-* the staged bytes are read after the leader's go for the plan's job (``StartTransfer``), so
-  they are the plan's blocks: the leader keeps a started job's slots until this worker reported
-  it or the job expired (``kvbm_leader.jobs``); a stage whose go is refused frees the area;
+* the staged bytes are used (taken into an engine's blocks) only once the leader's go for the
+  plan's job (``StartTransfer``) was granted; the copy into the area starts before it, the go
+  asked beside it. They are then the plan's blocks: a go granted at time T says the job was
+  live at T, and a load job is live from its plan's signing until it is released, settled,
+  failed or expired, never again after (job ids are not reused; a failed job is refused), all
+  that time holding its pins, so no slot of the plan was given to another block between the
+  signing (before the stage arrived) and T; after T the leader keeps the started job's slots
+  until this worker reported it or the job expired (``kvbm_leader.jobs``). A stage whose go
+  is refused frees the area once its copies were issued, and its bytes are never read;
 * a staged load is taken at most once, by the first ``Transfer`` of its plan (same job key and
   region) that comes within its hold, and used only if that call's layer groups have the staged
   bounds; any other call takes nothing and runs unstaged;

@@ -18,9 +18,11 @@ never vouch for the bytes (only the outcome does). Layer groups are for loads on
 :data:`~kvbm_client.contract.MAX_LAYER_GROUPS`; a load that reads G3 lands whole blocks.
 
 A ``Transfer`` with ``stage`` (:mod:`.stages`) stages a load before its engine blocks exist: the
-plan's checks, the leader's go, then its first layer groups into the staging area on the load
-lane; the first call of the same plan that names the blocks starts the job with them (no second
-go: the stage's stands). A stage that cannot be made is FAILED_PRECONDITION; nothing moved.
+plan's checks, then its first layer groups into the staging area on the load lane, the leader's
+go asked beside the copy; the first call of the same plan that names the blocks starts the job
+with them once that go came (no second go: the stage's stands). A stage that cannot be made is
+FAILED_PRECONDITION; nothing moved. The leader sends such a request itself when a client's
+lookup asks for it (:meth:`TransferCalls.stage_for_leader`; nobody waits for its answer).
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ from kvbm_client.contract import MAX_LAYER_GROUPS, pb
 from kvbm_client.ids import PlanKind
 
 from .allocation import PoolAllocator
-from .errors import PlanRejected
+from .errors import PlanRejected, Refusal
 from .grouping import groupable
 from .jobs import Job, JobTable, Landed, Moved
 from .lanes import Ticket
@@ -124,7 +126,8 @@ class TransferCalls:
         yield pb.TransferProgress(pages_landed=per_block, pages_per_block=per_block, done=call.response(moved))
 
     async def _stage(self, request: "pb.TransferRequest") -> "pb.TransferResponse":
-        """A ``Transfer`` with ``stage``: checked, then staged after the leader's go (module docstring)."""
+        """A ``Transfer`` with ``stage``: checked, then staged, the leader's go asked beside the
+        copy (module docstring); answered once both are done."""
         received = time.perf_counter()
         self._guard()
         region = self.regions.get(request.region_id)
@@ -176,6 +179,15 @@ class TransferCalls:
                   layout.staged, len(bounds), layout.blocks, layout.nbytes / (1 << 20),
                   (time.perf_counter() - received) * 1e3)
         return pb.TransferResponse(job_id=job_id, bytes=layout.nbytes, waited_seconds=time.perf_counter() - received)
+
+    async def stage_for_leader(self, request: "pb.TransferRequest") -> None:
+        """A stage the leader sent on the attach stream for a client's lookup
+        (``PrepareLoadRequest.stage``): checked and run as a client's; nobody waits for its
+        answer, so a refusal is logged (at debug level: a busy area is routine)."""
+        try:
+            await self._stage(request)
+        except Refusal as exc:
+            log.debug("stage sent by the leader refused: %s (%s)", exc.message, exc.code.name)
 
     def _start_or_join(self, request: "pb.TransferRequest") -> "_Call":
         """Check ``request`` and start its job, or join the job of the same plan."""

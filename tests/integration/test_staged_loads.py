@@ -12,7 +12,10 @@ import pytest
 
 from kvbm_client.channels import open_channel
 from kvbm_client.contract import pb, rpc
-from kvbm_client.leader_session import LeaderSession
+from kvbm_client.errors import KvbmRequestError
+from kvbm_client.ids import WorkerId
+from kvbm_client.leader_session import LeaderSession, StageAsk
+from support.fault_env import fault_env
 from test_layerwise_loads import LAYERS, PAGE, Setup, hashes
 
 N = 6  # blocks of Setup's load
@@ -22,14 +25,19 @@ STAGE_ALL = ("--stage-mib", "1")
 
 
 def stage(s: Setup, groups: int = 4, plan=None, **fields) -> "pb.TransferResponse":
-    request = s.request([], groups, plan)
-    request.stage = True
+    request = _stage_request(s, groups, plan)
     for name, value in fields.items():
         if name == "engine_blocks":
             request.engine_blocks.extend(value)
         else:
             setattr(request, name, value)
     return s.stub.Transfer(request, timeout=10)
+
+
+def _stage_request(s: Setup, groups: int = 4, plan=None) -> "pb.TransferRequest":
+    request = s.request([], groups, plan)
+    request.stage = True
+    return request
 
 
 def counters(s: Setup) -> dict[str, float]:
@@ -91,8 +99,7 @@ def test_stage_refusals_move_nothing(make_node):
     refused(lambda: stage(s, plan=pb.SignedPlan(plan=forged.SerializeToString(), signature=s.load.signed.signature)),
             grpc.StatusCode.PERMISSION_DENIED, "not signed")
     refused(lambda: stage(s, region_id="nope"), grpc.StatusCode.NOT_FOUND, "unknown region")
-    request = s.request([], 4)
-    request.stage = True
+    request = _stage_request(s)
     refused(lambda: list(s.stub.TransferLayers(request, timeout=10)), grpc.StatusCode.INVALID_ARGUMENT,
             "a stage is a Transfer call")
     c = counters(s)
@@ -175,3 +182,115 @@ def test_each_worker_stages_its_own_shard(make_node):
                           timeout=10)
             assert np.array_equal(engines[w].array[dst], engines[w].array[0:6]), f"worker {w}"
             assert dict(stub.Status(pb.WorkerStatusRequest(), timeout=5).counters)["staged_loads_used"] == 1
+
+
+def wait_counter(stub, name: str, value: float, timeout: float = 5.0) -> dict[str, float]:
+    """The worker's counters once ``name`` reached ``value`` (the leader's stages run in the background)."""
+    end = time.monotonic() + timeout
+    while True:
+        c = dict(stub.Status(pb.WorkerStatusRequest(), timeout=5).counters)
+        if c[name] >= value or time.monotonic() > end:
+            return c
+        time.sleep(0.02)
+
+
+def test_the_leader_stages_a_lookup_on_every_named_worker(make_node):
+    """``PrepareLoadRequest.stage``: the leader sends the signed plan to each named worker on its
+    attach stream before it answers; each stages its own shard, and the call that names the
+    blocks lands it from the area (tensor parallelism: two workers)."""
+    node = make_node(num_workers=2, worker_args=STAGE_SMALL)
+    client, engines = node.ready_client(num_layers=LAYERS, page_bytes=PAGE)
+    keys = hashes(N)
+    client.wait(client.offload(keys, list(range(N))))
+    regions = {w: client.region_id(w) for w in ("0", "1")}
+    stubs = {w: rpc.WorkerStub(open_channel(node.config().worker_address(w), node.config())) for w in regions}
+    with LeaderSession(node.leader_address, timeout=5) as session:
+        load = session.prepare_load(keys, stage=StageAsk(4, tuple((WorkerId(w), r) for w, r in regions.items())))
+        assert load.num_blocks == N
+        signed = pb.SignedPlan(plan=load.signed.plan, signature=load.signed.signature)
+        dst = [40, 41, 42, 43, 44, 45]
+        for w, stub in stubs.items():
+            engines[w].array[dst] = 0
+            assert wait_counter(stub, "loads_staged", 1)["loads_staged"] == 1, f"worker {w} staged nothing"
+            assert not engines[w].array[dst].any(), "a stage wrote into the engine before its blocks were named"
+            messages = list(stub.TransferLayers(pb.TransferRequest(region_id=regions[w], plan=signed,
+                                                                   engine_blocks=dst, layer_groups=4), timeout=10))
+            assert messages[-1].done.bytes == N * LAYERS * PAGE
+            assert np.array_equal(engines[w].array[dst], engines[w].array[0:6]), f"worker {w}"
+            assert wait_counter(stub, "staged_loads_used", 1)["staged_loads_used"] == 1
+    log = node.log_tails(chars=1 << 20)
+    assert f"job {load.job_id} load: stage of 4 layer groups sent to worker(s) 0,1" in log
+    assert log.count(f"job {load.job_id} load: staged 1 of 4 layer groups") == 2
+
+
+def test_a_lookup_stage_out_of_bounds_plans_nothing(make_node):
+    s = Setup(make_node(worker_args=STAGE_SMALL))
+    keys = hashes(N)
+    ok = (WorkerId("0"), s.region_id)
+    for stage, words in ((StageAsk(1, (ok,)), "layer_groups=1"), (StageAsk(65, (ok,)), "layer_groups=65"),
+                         (StageAsk(4, ()), "0 targets"), (StageAsk(4, (ok, ok)), "names worker '0' twice"),
+                         (StageAsk(4, ((WorkerId("0"), ""),)), "names no region"),
+                         (StageAsk(4, ((WorkerId("0"), "r" * 300),)), "region_id of 300 bytes")):
+        with pytest.raises(KvbmRequestError) as err:
+            s.session.prepare_load(keys, stage=stage)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and words in str(err.value), str(err.value)
+    time.sleep(0.3)
+    assert counters(s)["loads_staged"] == 0
+    # nothing was pinned by the refused lookups: the blocks are still evictable (the plan of
+    # Setup holds them) and a lookup without a stage plans them
+    assert s.session.prepare_load(keys).num_blocks == N
+
+
+def test_a_lookup_stage_to_a_missing_worker_or_region_only_costs_the_stage(make_node):
+    s = Setup(make_node(worker_args=STAGE_SMALL))
+    keys = hashes(N)
+    load = s.session.prepare_load(keys, stage=StageAsk(4, ((WorkerId("7"), s.region_id), (WorkerId("0"), "nope"))))
+    assert load.num_blocks == N
+    dst = [30, 31, 32, 33, 34, 35]
+    s.array[dst] = 0
+    s.stub.Transfer(s.request(dst, 4, plan=load.signed), timeout=10)
+    assert np.array_equal(s.array[dst], s.array[0:6])
+    c = counters(s)
+    assert c["loads_staged"] == 0 and c["staged_loads_used"] == 0
+    log = s.node.log_tails(chars=1 << 20)
+    assert f"job {load.job_id} load: stage of 4 layer groups sent to worker(s) 0 (not attached: 7)" in log
+    assert "stage sent by the leader refused: unknown region 'nope' (NOT_FOUND)" in log
+
+
+def test_a_stage_whose_go_is_refused_is_never_used_and_frees_the_area(make_node):
+    """The stage's copy starts before the leader's go; a plan released meanwhile (its slots may
+    already hold other blocks) is refused its go: the stage fails, its bytes are never taken,
+    and the area is free at once (no hold)."""
+    s = Setup(make_node(worker_args=STAGE_SMALL))
+    s.session.release(s.load)
+    refused(lambda: stage(s), grpc.StatusCode.FAILED_PRECONDITION, "did not let it start")
+    assert counters(s)["loads_staged"] == 0
+    other = s.session.prepare_load(hashes(N))
+    assert stage(s, plan=other.signed).bytes == FIRST  # the area was freed with the refusal
+    refused(lambda: s.stub.Transfer(s.request([20, 21, 22, 23, 24, 25], 4), timeout=10),
+            grpc.StatusCode.FAILED_PRECONDITION, "did not let it start")
+    assert counters(s)["staged_loads_used"] == 0
+    assert "not staged, job" in s.node.log_tails(chars=1 << 20)
+
+
+def test_a_stage_copies_before_its_go_and_its_bind_waits_for_the_go(make_node):
+    """A slow leader: the stage's copy into the area starts at once, its go comes 1 s later;
+    the call that names the blocks, sent meanwhile, takes the staged groups only once the go came."""
+    s = Setup(make_node(worker_args=STAGE_SMALL, **fault_env(GO_DELAY_SECS="1.0")))
+    job = pb.TransferPlan.FromString(s.load.signed.plan).job_id
+    dst = [40, 41, 42, 43, 44, 45]
+    s.array[dst] = 0
+    t0 = time.monotonic()
+    staged = s.stub.Transfer.future(_stage_request(s), timeout=10)
+    time.sleep(0.3)
+    assert not staged.done(), "the stage answered before its go"
+    messages = list(s.stub.TransferLayers(s.request(dst, 4), timeout=10))
+    assert time.monotonic() - t0 >= 1.0, "the bind landed bytes before the stage's go"
+    assert staged.result().bytes == FIRST and messages[-1].done.bytes == N * LAYERS * PAGE
+    assert np.array_equal(s.array[dst], s.array[0:6])
+    assert counters(s)["staged_loads_used"] == 1
+    log = s.node.log_tails(chars=1 << 20)
+    copy_started, bind_arrived = log.find(f"job {job} load: copy starts"), log.find(f"job {job} load: started")
+    assert 0 <= copy_started < bind_arrived, "the stage's copy waited for its go"
+
+

@@ -12,6 +12,7 @@ from kvbm_client.handles import TransferHandle
 from kvbm_client.connectors.core import ConnectorSettings, RequestExtras, SchedulerCore
 from kvbm_client.contract import pb
 from kvbm_client.ids import JobId, PlanKind
+from kvbm_client.leader_session import StageAsk
 from kvbm_client.connectors.core.block_holds import BlockHolds
 from support.fake_pool import FakePool
 
@@ -31,6 +32,7 @@ class FakeLeader:
         self._jobs = itertools.count(1)
         self.presence: set[bytes] | None = None  # a presence filter's "maybe" keys (None: no filter)
         self.unasked_blocks = 0
+        self.stages: list = []  # each prepare_load's stage ask (None: none)
 
     def _handle(self, kind: PlanKind, indices: list[int]) -> TransferHandle:
         if not indices:
@@ -39,8 +41,9 @@ class FakeLeader:
         signed = pb.SignedPlan(plan=f"plan-{job}".encode(), signature=b"sig")
         return TransferHandle(kind, JobId(job), len(indices), tuple(indices), deadline=self.deadline, signed=signed)
 
-    def prepare_load(self, hashes, count_hit=False, tokens_per_block=0, prefill_tokens_per_s=0.0):
+    def prepare_load(self, hashes, count_hit=False, tokens_per_block=0, prefill_tokens_per_s=0.0, stage=None):
         self.calls.append(("prepare_load", list(hashes)))
+        self.stages.append(stage)
         if self.down:
             return None
         n = next((i for i, h in enumerate(hashes) if h not in self.stored), len(hashes))
@@ -82,15 +85,14 @@ class Request:
 class FakeEarly:
     def __init__(self) -> None:
         self.sent = []
-        self.staged: list[tuple[bytes, bytes, int]] = []
+        self.targets = (("0", "region-a"), ("1", "region-b"))  # the workers whose region is known
 
     def submit(self, spec):
         self.sent.append(spec)
         return 1
 
-    def stage(self, plan, signature, layer_groups):
-        self.staged.append((plan, signature, layer_groups))
-        return 1
+    def stage_targets(self):
+        return self.targets
 
     def close(self):
         pass
@@ -162,22 +164,34 @@ def test_a_hit_is_loaded_into_the_blocks_after_the_local_prefix_and_not_stored_a
 
 @pytest.mark.parametrize("mode,staged_loads,stages", [("layerwise", True, 1), ("layerwise", False, 0),
                                                       ("sync", True, 0)])
-def test_a_new_hit_is_staged_right_after_its_lookup_once(mode, staged_loads, stages):
-    """With staged_loads (and layer groups: layerwise), the hit's plan goes to the workers at its
-    lookup, before the engine allocated blocks; asked again while it waits, it is not staged again."""
+def test_a_new_hit_is_staged_by_its_lookup_once(mode, staged_loads, stages):
+    """With staged_loads (and layer groups: layerwise), the lookup asks the leader to stage the
+    hit on the workers whose region is known, before the engine allocated blocks; asked again
+    while it waits, it is neither looked up nor staged again."""
     leader, early = FakeLeader(), FakeEarly()
     run_prefill(make(leader), Request("x", list(range(21))), [0, 1, 2, 3, 4, 5])
+    leader.stages.clear()
     core = make(leader, mode=mode, early=early, staged_loads=staged_loads)
     req = Request("y", list(range(21)))
     assert core.lookup(req, 0) == (5 * BS, False)
     assert core.lookup(req, 0) == (5 * BS, False)  # the engine asks again (e.g. no room this step)
-    assert len(early.staged) == stages and early.sent == []
+    asks = [s for s in leader.stages if s is not None]
+    assert len(leader.stages) == 1 and len(asks) == stages and early.sent == []
     if stages:
-        plan, signature, groups = early.staged[0]
-        assert plan == b"plan-2" and signature == b"sig" and groups == 6  # the hit's plan, its layer groups
+        assert asks[0] == StageAsk(6, (("0", "region-a"), ("1", "region-b")))  # the engine's layer groups
     core.allocated("y", [10, 11, 12, 13, 14, 15], 5 * BS)
     core.step({"y": 21})
-    assert len(early.sent) == 1 and len(early.staged) == stages, "the early load follows; no second stage"
+    assert len(early.sent) == 1 and len(leader.stages) == 1, "the early load follows; no second lookup"
+
+
+def test_no_stage_is_asked_before_a_worker_region_is_known():
+    leader, early = FakeLeader(), FakeEarly()
+    run_prefill(make(leader), Request("x", list(range(21))), [0, 1, 2, 3, 4, 5])
+    leader.stages.clear()
+    early.targets = ()
+    core = make(leader, mode="layerwise", early=early, staged_loads=True)
+    assert core.lookup(Request("y", list(range(21))), 0) == (5 * BS, False)
+    assert leader.stages == [None]
 
 
 @pytest.mark.parametrize("length,least,loaded", [(21, 1, 5), (21, 2, 4), (22, 2, 5), (23, 5, 4), (20, 1, 4),

@@ -41,7 +41,7 @@ class Leader:
     def __init__(self) -> None:
         self.rates: list[float] = []
 
-    def prepare_load(self, hashes, count_hit=False, tokens_per_block=0, prefill_tokens_per_s=0.0):
+    def prepare_load(self, hashes, count_hit=False, tokens_per_block=0, prefill_tokens_per_s=0.0, stage=None):
         self.rates.append(prefill_tokens_per_s)
         return TransferHandle(PlanKind.LOAD, None, 0, skipped_cost=len(hashes))
 

@@ -40,7 +40,7 @@ class GatedLeader:
         self.down = self.broken = False
         self._jobs = itertools.count(1)
 
-    def prepare_load(self, hashes, count_hit=False, tokens_per_block=0, prefill_tokens_per_s=0.0):
+    def prepare_load(self, hashes, count_hit=False, tokens_per_block=0, prefill_tokens_per_s=0.0, stage=None):
         return TransferHandle(PlanKind.LOAD, None, 0)
 
     def prepare_store(self, hashes):
@@ -299,7 +299,7 @@ class FilteredLeader(GatedLeader):
         self.loads: list[int] = []
         self.unasked_blocks = 0
 
-    def prepare_load(self, hashes, count_hit=False, tokens_per_block=0, prefill_tokens_per_s=0.0):
+    def prepare_load(self, hashes, count_hit=False, tokens_per_block=0, prefill_tokens_per_s=0.0, stage=None):
         self.loads.append(len(hashes))
         n = next((i for i, h in enumerate(hashes) if h not in self.stored), len(hashes))
         if not n:

@@ -25,7 +25,7 @@ class FakeLeader:
         self.stored = stored
         self.calls: list[tuple] = []
 
-    def prepare_load(self, hashes, count_hit=False, tokens_per_block=0, prefill_tokens_per_s=0.0):
+    def prepare_load(self, hashes, count_hit=False, tokens_per_block=0, prefill_tokens_per_s=0.0, stage=None):
         self.calls.append(("prepare_load", (hashes,)))
         n = min(self.stored, len(hashes))
         signed = SimpleNamespace(plan=b"plan", signature=b"sig")

@@ -174,7 +174,7 @@ class FakeLeader:
         self.loads: list[int] = []  # blocks asked for, per PrepareLoad
         self.stores: list[int] = []  # blocks offered, per PrepareStore
 
-    def prepare_load(self, hashes, count_hit=False, tokens_per_block=0, prefill_tokens_per_s=0.0):
+    def prepare_load(self, hashes, count_hit=False, tokens_per_block=0, prefill_tokens_per_s=0.0, stage=None):
         self.loads.append(len(hashes))
         n = min(self.stored, len(hashes))
         return SimpleNamespace(num_blocks=n, is_empty=n == 0, deadline=time.monotonic() + 30,

@@ -1,5 +1,6 @@
 """Early loads: the scheduler side starts a hit's copy as soon as the engine allocated its blocks
-(and, with ``staged_loads``, stages it on the worker daemons right after its lookup).
+(and, with ``staged_loads``, names the worker daemons and the engine's regions on them, for the
+leader to stage a hit on at its lookup).
 
 Without it the copy starts in the worker side's ``start_load_kv``, after the scheduler
 finished the step and the model runner prepared its inputs (~15 ms on a 20K-token request,
@@ -10,8 +11,9 @@ daemon(s) once the engine allocated the blocks, at the end of the step's schedul
 daemon runs a job once per plan, so the worker side's own ``Transfer`` joins the copy already
 running and returns when it is done. The worker side's call stays the one whose answer
 counts: an early call that fails only costs the head start (it is logged at debug level and
-never waited for). A stage (``staged_loads``, sent from :meth:`EarlyLoads.stage` right after
-the lookup) is such a call too: the worker copies the hit's first layer groups into its own
+never waited for). With ``staged_loads`` the lookup asks the leader to stage the hit on the
+workers :meth:`EarlyLoads.stage_targets` names (``PrepareLoadRequest.stage``): the leader sends
+each the plan before it answers, the worker copies the hit's first layer groups into its own
 staging area meanwhile, and the early load (or the worker side's call) takes them from there.
 
 Runs on the engine's scheduler thread: one non-blocking gRPC call per worker per load, plus
@@ -29,6 +31,7 @@ import grpc
 
 from ...channels import open_channel
 from ...contract import pb, rpc
+from ...ids import WorkerId
 from .region_ids import EngineRegionIds
 from .specs import LoadSpec
 from .settings import Backoff, ConnectorSettings
@@ -62,7 +65,7 @@ class _WorkerLink:
     calls not yet finished."""
 
     def __init__(self, worker_id: str, settings: ConnectorSettings, ids: EngineRegionIds) -> None:
-        self.worker_id = worker_id
+        self.worker_id = WorkerId(worker_id)
         self.address = address = settings.worker_address(worker_id)
         self.ids = ids
         self.timeout_s = settings.timeout_s
@@ -75,22 +78,18 @@ class _WorkerLink:
     def submit(self, spec: LoadSpec) -> bool:
         return self._send(spec.plan, spec.signature, spec.layer_groups, spec.engine_blocks)
 
-    def stage(self, plan: bytes, signature: bytes, layer_groups: int) -> bool:
-        return self._send(plan, signature, layer_groups, stage=True)
-
-    def _send(self, plan: bytes, signature: bytes, layer_groups: int, engine_blocks: Sequence[int] = (),
-              stage: bool = False) -> bool:
+    def _send(self, plan: bytes, signature: bytes, layer_groups: int, engine_blocks: Sequence[int]) -> bool:
         self._reap()
-        region_id = self._region()
+        region_id = self.region()
         if region_id is None:
             return False
         request = pb.TransferRequest(region_id=region_id, plan=pb.SignedPlan(plan=plan, signature=signature),
-                                     engine_blocks=engine_blocks, sent_at=time.time(), layer_groups=layer_groups,
-                                     stage=stage)
+                                     engine_blocks=engine_blocks, sent_at=time.time(), layer_groups=layer_groups)
         self.pending.append(self.stub.Transfer.future(request, timeout=max(self.timeout_s, 30.0)))
         return True
 
-    def _region(self) -> str | None:
+    def region(self) -> str | None:
+        """The engine's region id on this worker (None: not registered yet, asked again after ``retry_s``)."""
         if self.region_id is not None or not self.backoff.ready():
             return self.region_id
         self.region_id = self.ids.lookup(self.worker_id)
@@ -131,11 +130,10 @@ class EarlyLoads:
         """Send ``spec`` to each worker; returns how many calls went out."""
         return sum(link.submit(spec) for link in self._links)
 
-    def stage(self, plan: bytes, signature: bytes, layer_groups: int) -> int:
-        """Stage a hit's plan on each worker before the engine allocated its blocks (a worker
-        that cannot stage it answers FAILED_PRECONDITION: logged at debug level, nothing lost);
-        returns how many calls went out."""
-        return sum(link.stage(plan, signature, layer_groups) for link in self._links)
+    def stage_targets(self) -> tuple[tuple[WorkerId, str], ...]:
+        """The workers a lookup's stage goes to, each with the engine's region there (those
+        whose region is known): the leader sends them the plan (``PrepareLoadRequest.stage``)."""
+        return tuple((link.worker_id, region) for link in self._links if (region := link.region()) is not None)
 
     def close(self) -> None:
         for link in self._links:

@@ -29,7 +29,7 @@ from typing import Protocol, Sequence
 from ...handles import TransferHandle
 from ...errors import KvbmError, KvbmTimeoutError, KvbmUnavailableError
 from ...ids import BlockHash
-from ...leader_session import LeaderSession
+from ...leader_session import LeaderSession, StageAsk
 from .settings import Backoff, ConnectorSettings
 
 log = logging.getLogger("kvbm.connector")
@@ -39,7 +39,8 @@ class LeaderPort(Protocol):
     """What the scheduler core asks of the leader. None: the leader is not reachable now."""
 
     def prepare_load(self, hashes: Sequence[BlockHash], count_hit: bool = False,
-                     tokens_per_block: int = 0, prefill_tokens_per_s: float = 0.0) -> TransferHandle | None: ...
+                     tokens_per_block: int = 0, prefill_tokens_per_s: float = 0.0,
+                     stage: StageAsk | None = None) -> TransferHandle | None: ...
 
     def prepare_store(self, hashes: Sequence[BlockHash]) -> TransferHandle | None: ...
 
@@ -79,13 +80,14 @@ class LeaderLink:
         self._closed = False
 
     def prepare_load(self, hashes: Sequence[BlockHash], count_hit: bool = False,
-                     tokens_per_block: int = 0, prefill_tokens_per_s: float = 0.0) -> TransferHandle | None:
+                     tokens_per_block: int = 0, prefill_tokens_per_s: float = 0.0,
+                     stage: StageAsk | None = None) -> TransferHandle | None:
         session = self._connected()
         if session is None:
             return None
         try:
             return session.prepare_load(hashes, count_hit=count_hit, tokens_per_block=tokens_per_block,
-                                        prefill_tokens_per_s=prefill_tokens_per_s)
+                                        prefill_tokens_per_s=prefill_tokens_per_s, stage=stage)
         except KvbmError as exc:
             self._failed("prepare_load", exc)
             return None

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import time
 
+from ...leader_session import StageAsk
 from .leader_link import LeaderPort
 from .prefill import PrefillMeter
 from .request_keys import EngineRequest, KeyHasher, RequestState
@@ -45,9 +46,10 @@ class HitLookup:
         self._hasher = hasher
         self._prefill = prefill
 
-    def ask(self, state: RequestState, num_computed_tokens: int) -> tuple[int, bool]:
+    def ask(self, state: RequestState, num_computed_tokens: int, stage: StageAsk | None = None) -> tuple[int, bool]:
         """Tokens kvbm loads after the engine's ``num_computed_tokens`` local ones, and
-        whether the load is asynchronous (the request then waits for it)."""
+        whether the load is asynchronous (the request then waits for it). ``stage``: a new
+        plan is staged on those workers (the leader sends it before it answers)."""
         request: EngineRequest = state.request
         asynchronous = not self.settings.sync_loads
         first = num_computed_tokens // self.block_size
@@ -83,7 +85,7 @@ class HitLookup:
             return 0, False
         rate = self._prefill.tokens_per_s if self.settings.cost_aware_loads else 0.0
         handle = self._leader.prepare_load(keys[first:last], count_hit=True, tokens_per_block=self.block_size,
-                                           prefill_tokens_per_s=rate)
+                                           prefill_tokens_per_s=rate, stage=stage)
         if tracing():
             trace("prepare_load", req=request.request_id, asked=last - first,
                   planned=handle.num_blocks if handle is not None else 0,

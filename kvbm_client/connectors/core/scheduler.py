@@ -46,6 +46,7 @@ from collections import deque
 from typing import Iterable, Mapping, Sequence
 
 from ...ids import BlockHash, EngineBlockId
+from ...leader_session import StageAsk
 from .block_holds import BlockHolds
 from .early_loads import EarlyLoads
 from .leader_link import LeaderPort
@@ -120,16 +121,18 @@ class SchedulerCore:
     def lookup(self, request: EngineRequest, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens kvbm loads after the engine's ``num_computed_tokens`` local ones, and
         whether the load is asynchronous (the request then waits for it): see :mod:`.lookup`.
-        A new hit is staged on the worker daemons at once with ``staged_loads``."""
+        With ``staged_loads`` the lookup asks the leader to stage a new hit on the worker daemons
+        (it sends them the plan before it answers)."""
         state = self._track(request)
         held = state.load
-        answer = self._lookup.ask(state, num_computed_tokens)
-        if self._stages and state.load is not None and state.load is not held and state.load.signed is not None:
+        stage = None
+        if self._stages:
             assert self._early is not None
-            sent = self._early.stage(state.load.signed.plan, state.load.signed.signature,
-                                     self.settings.load_layer_groups)
-            if tracing():
-                trace("stage", req=request.request_id, blocks=state.load.num_blocks, workers=sent)
+            targets = self._early.stage_targets()
+            stage = StageAsk(self.settings.load_layer_groups, targets) if targets else None
+        answer = self._lookup.ask(state, num_computed_tokens, stage)
+        if stage is not None and state.load is not None and state.load is not held and tracing():
+            trace("stage", req=request.request_id, blocks=state.load.num_blocks, workers=len(stage.targets))
         return answer
 
     # ------------------------------------------------------------------ 2. allocation

@@ -118,9 +118,10 @@ class ConnectorSettings:
     #: the scheduler side starts a hit's copy on the worker daemons as soon as the engine
     #: allocated its blocks (see :mod:`.early_loads`); false: the worker side starts it.
     early_loads: bool = True
-    #: with early loads and layer groups: the scheduler side stages a hit on the worker daemons
-    #: right after its lookup, before the engine allocated its blocks (the daemons need
-    #: ``--stage-mib``; see kvbm_worker/stages.py); false: nothing moves before the blocks exist
+    #: with early loads and layer groups: the lookup asks the leader to stage a new hit on the
+    #: worker daemons before it answers, so its copy starts before the engine allocated its
+    #: blocks (the daemons need ``--stage-mib``; see kvbm_worker/stages.py); false: nothing moves
+    #: before the blocks exist
     staged_loads: bool = False
     #: the node's settings as this engine sees them (channels: TLS, tokens, message sizes)
     config: KvbmConfig = field(default_factory=KvbmConfig)

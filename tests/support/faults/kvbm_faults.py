@@ -27,6 +27,8 @@
   the later layers' pages; CUDA: its completion is reported late).
 * ``KVBM_FAULT_LAYERS_EARLY=1``: a load run in layer groups reports all its pages landed
   before it copies a byte (a lying daemon: the negative control of the layer waits).
+* ``KVBM_FAULT_GO_DELAY_SECS=S``: every leader's go (``StartTransfer``) the worker asks for is
+  sent S seconds late (a slow leader: a stage's copy, which does not wait for it, is done first).
 * ``KVBM_FAULT_LOG=PATH``: one line per injected fault is appended there (a test asserts that
   its fault was injected at all).
 
@@ -273,8 +275,24 @@ def _wrap_op(cls: type, op: str, faults: _DiskFaults) -> None:
     setattr(cls, op, faulty)
 
 
+def _patch_leader_link(module: ModuleType) -> None:
+    delay = _number("KVBM_FAULT_GO_DELAY_SECS")
+    if not delay:
+        return
+    original = module.LeaderLink.start_job
+
+    async def slow_go(self: Any, job: Any) -> float:
+        import asyncio
+        note(f"go delayed {delay} s: job {job.job_id}")
+        await asyncio.sleep(delay)
+        return await original(self, job)  # type: ignore[no-any-return]
+
+    module.LeaderLink.start_job = slow_go
+
+
 JOBS = _JobFaults()
 PATCHES: dict[str, Callable[[ModuleType], None]] = {
+    "kvbm_worker.leader_link": _patch_leader_link,
     "kvbm_worker.mover": _patch_mover,
     "kvbm_worker.handlers.cuda": _patch_cuda,
     "kvbm_worker.handlers.disk": _patch_disk,

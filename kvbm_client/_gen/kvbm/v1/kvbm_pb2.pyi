@@ -220,20 +220,38 @@ class PrepareStoreResponse(_message.Message):
     def __init__(self, plan: _Optional[_Union[SignedPlan, _Mapping]] = ..., indices: _Optional[_Iterable[int]] = ..., skipped_present: _Optional[int] = ..., skipped_full: _Optional[int] = ...) -> None: ...
 
 class PrepareLoadRequest(_message.Message):
-    __slots__ = ("session_id", "hashes", "count_hit", "tokens_per_block", "prefill_tokens_per_s", "unasked_blocks")
+    __slots__ = ("session_id", "hashes", "count_hit", "tokens_per_block", "prefill_tokens_per_s", "unasked_blocks", "stage")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
     COUNT_HIT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     UNASKED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     hashes: _containers.RepeatedScalarFieldContainer[bytes]
     count_hit: bool
     tokens_per_block: int
     prefill_tokens_per_s: float
     unasked_blocks: int
-    def __init__(self, session_id: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., count_hit: _Optional[bool] = ..., tokens_per_block: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., unasked_blocks: _Optional[int] = ...) -> None: ...
+    stage: LoadStage
+    def __init__(self, session_id: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., count_hit: _Optional[bool] = ..., tokens_per_block: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., unasked_blocks: _Optional[int] = ..., stage: _Optional[_Union[LoadStage, _Mapping]] = ...) -> None: ...
+
+class LoadStage(_message.Message):
+    __slots__ = ("layer_groups", "targets")
+    LAYER_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    TARGETS_FIELD_NUMBER: _ClassVar[int]
+    layer_groups: int
+    targets: _containers.RepeatedCompositeFieldContainer[StageTarget]
+    def __init__(self, layer_groups: _Optional[int] = ..., targets: _Optional[_Iterable[_Union[StageTarget, _Mapping]]] = ...) -> None: ...
+
+class StageTarget(_message.Message):
+    __slots__ = ("worker_id", "region_id")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    REGION_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    region_id: str
+    def __init__(self, worker_id: _Optional[str] = ..., region_id: _Optional[str] = ...) -> None: ...
 
 class PrepareLoadResponse(_message.Message):
     __slots__ = ("plan", "num_planned", "num_skipped")
@@ -282,14 +300,16 @@ class PoolPlan(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., host_slots: _Optional[int] = ..., disk_slots: _Optional[int] = ...) -> None: ...
 
 class LeaderEvent(_message.Message):
-    __slots__ = ("welcome", "pools", "shutdown")
+    __slots__ = ("welcome", "pools", "shutdown", "stage")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     pools: PoolPlan
     shutdown: Shutdown
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., pools: _Optional[_Union[PoolPlan, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ...) -> None: ...
+    stage: TransferRequest
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., pools: _Optional[_Union[PoolPlan, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., stage: _Optional[_Union[TransferRequest, _Mapping]] = ...) -> None: ...
 
 class Welcome(_message.Message):
     __slots__ = ("leader_id", "secret", "job_timeout_s")
