@@ -14,12 +14,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Callable, Sequence
 
 from kvbm_client.config import KvbmConfig
 from kvbm_client.contract import MAX_LAYER_GROUPS, pb
 from kvbm_client.ids import Tier, WorkerId
 
+from .decisions import JobPlacement
 from .events import KvEventFeed
 from .ledger import JobLedger
 from .membership import Layout, Membership, WorkerRecord
@@ -162,6 +163,16 @@ class WorkerFleet:
                  "; restoring G3" if self.membership.restoring is not None else "")
 
     # ------------------------------------------------------------------ stages (PrepareLoad.stage)
+    def stage_sender(self, stage: "pb.LoadStage") -> Callable[[JobPlacement, "pb.SignedPlan"], None]:
+        """What sends a lookup's plan as its ``stage`` asks, once signed (:meth:`send_stage`), or
+        :class:`Refused` (INVALID) for a stage out of bounds (see :meth:`stage_targets`)."""
+        targets = self.stage_targets(stage)
+        groups = stage.layer_groups
+
+        def send(plan: JobPlacement, signed: "pb.SignedPlan") -> None:
+            self.send_stage(plan.job_id, signed, plan.tiers, groups, targets)
+        return send
+
     def stage_targets(self, stage: "pb.LoadStage") -> list[tuple[WorkerId, str]]:
         """The (worker, region) pairs of a lookup's stage, or :class:`Refused` (INVALID) for one
         out of bounds: ``layer_groups`` in 2..MAX_LAYER_GROUPS, 1..MAX_STAGE_TARGETS targets,

@@ -20,7 +20,7 @@ a hit that finds one running promotes nothing, and the next hit on those blocks 
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import Callable, Sequence
 
 from kvbm_client.contract import MatchResult, pb
 from kvbm_client.ids import BlockHash, JobId, PlanKind, SessionId, Tier
@@ -130,19 +130,17 @@ class RequestPlanner:
 
     # ------------------------------------------------------------------ load
     async def prepare_load(self, session: SessionId, keys: Sequence[BlockHash], count_hit: bool,
-                           tokens_per_block: int, prefill_tokens_per_s: float = 0.0) -> Planned:
+                           tokens_per_block: int, prefill_tokens_per_s: float = 0.0,
+                           on_signed: Callable[[JobPlacement, "pb.SignedPlan"], None] | None = None) -> Planned:
+        """``on_signed``: called with a non-empty plan as soon as it is signed, before any other
+        work of this lookup is queued on the loop (the plan's stage is sent from there)."""
         if not self.membership.ready:
             return JobPlacement(NO_JOB, PlanKind.LOAD), None
         stepper = LoadStepper(self.placement, self.ledger.jobs.next_id(), keys)
         if not await run_sliced(stepper, self.placement):  # its pins went with the old pools
             return JobPlacement(NO_JOB, PlanKind.LOAD), None
         plan = stepper.plan
-        if count_hit and plan.keys:  # the same prefix a match would find: a hit each, without a second pass
-            # once this answer is on its way (over a quarter of the lookup's work at 20K tokens), in
-            # slices like any request's work; its only reader is the G2 -> G3 offload filter, a
-            # heuristic: a decision made meanwhile sees the hit a turn of the loop late
-            self._hits.spawn(run_sliced(HitStepper(self.placement, list(plan.keys)), self.placement),
-                             f"job={plan.job_id}")
+        hits = list(plan.keys) if count_hit else []  # the same prefix a match would find
         matched = MatchResult(len(plan.keys), tuple(plan.tiers))
         decision = self.costs.decide(plan.tiers, self.membership.shard_bytes(), tokens_per_block,
                                      prefill_tokens_per_s)
@@ -155,6 +153,12 @@ class RequestPlanner:
         if matched.num_matched:
             self.metrics.count_onboard(decision.reason.value, decision.num_skipped)
         signed = (await self.ledger.issue(plan, session))[1] if plan.keys else None
+        if signed is not None and on_signed is not None:
+            on_signed(plan, signed)
+        if hits:  # a hit each, without a second pass, once this answer is on its way (over a quarter
+            # of the lookup's work at 20K tokens), in slices like any request's work; its only reader
+            # is the G2 -> G3 offload filter, a heuristic: a decision made meanwhile sees the hit late
+            self._hits.spawn(run_sliced(HitStepper(self.placement, hits), self.placement), f"job={plan.job_id}")
         promote = [k for k, t in zip(plan.keys, plan.tiers) if t is Tier.DISK] if Tier.DISK in plan.tiers else []
         promote += skipped
         if log.isEnabledFor(logging.DEBUG):

@@ -138,15 +138,15 @@ class LeaderServicer:
         try:
             session = self._session(request.session_id)
             keys = self._hashes(request.hashes)
-            targets = self.service.fleet.stage_targets(request.stage) if request.HasField("stage") else []
+            stage = None
+            if request.HasField("stage"):  # sent as soon as the plan is signed: its copy starts meanwhile
+                stage = self.service.fleet.stage_sender(request.stage)
             self.service.planner.count_unasked(request.unasked_blocks)
             plan, signed = await self.service.planner.prepare_load(session, keys, request.count_hit,
                                                                    request.tokens_per_block,
-                                                                   request.prefill_tokens_per_s)
+                                                                   request.prefill_tokens_per_s, stage)
         except Refused as refusal:
             await _abort(context, refusal)
-        if signed is not None and targets:  # (before the answer: the stage's copy starts meanwhile)
-            self.service.fleet.send_stage(plan.job_id, signed, plan.tiers, request.stage.layer_groups, targets)
         resp = pb.PrepareLoadResponse(num_planned=len(plan.keys), num_skipped=plan.skipped_cost)
         if signed is not None:
             resp.plan.CopyFrom(signed)

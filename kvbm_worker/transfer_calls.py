@@ -129,6 +129,7 @@ class TransferCalls:
         """A ``Transfer`` with ``stage``: checked, then staged, the leader's go asked beside the
         copy (module docstring); answered once both are done."""
         received = time.perf_counter()
+        transit = max(0.0, time.time() - request.sent_at) if request.sent_at else 0.0
         self._guard()
         region = self.regions.get(request.region_id)
         if region is None:
@@ -175,9 +176,9 @@ class TransferCalls:
         task = load.task = asyncio.ensure_future(self._run_stage(batch, region, ticket, load))
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # (also read by the binding call)
         await asyncio.shield(task)
-        log.debug("job %d load: staged %d of %d layer groups, %d blocks (%.1f MiB), in %.2f ms", job_id,
-                  layout.staged, len(bounds), layout.blocks, layout.nbytes / (1 << 20),
-                  (time.perf_counter() - received) * 1e3)
+        log.debug("job %d load: staged %d of %d layer groups, %d blocks (%.1f MiB), in %.2f ms (request in transit "
+                  "%.1f ms)", job_id, layout.staged, len(bounds), layout.blocks, layout.nbytes / (1 << 20),
+                  (time.perf_counter() - received) * 1e3, transit * 1e3)
         return pb.TransferResponse(job_id=job_id, bytes=layout.nbytes, waited_seconds=time.perf_counter() - received)
 
     async def stage_for_leader(self, request: "pb.TransferRequest") -> None:

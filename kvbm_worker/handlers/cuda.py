@@ -113,11 +113,14 @@ class CudaMover(BlockMover):
             raise
 
     def warm_lane(self, lane: Lane) -> None:
-        """Loads read G2 (its first pinned chunk is read, never written); stores write a scratch buffer."""
+        """Loads read G2 (its first pinned chunk is read, never written), and warm the staging
+        area's scatter on its own bytes; stores write a scratch buffer."""
         direction = Direction.D2H if lane is Lane.STORE else Direction.H2D
         host_src = self.host.address if self.host is not None and self.host.buffer.nbytes >= 4 << 20 else None
         t0 = time.perf_counter()
         self.copier.warm(direction, host_src)
+        if lane is Lane.LOAD and self.staging is not None:
+            self.staging.warm()
         log.debug("%s lane warmed up in %.1f ms", lane.value, (time.perf_counter() - t0) * 1e3)
 
     def _enter_lane(self, region: EngineRegion | None) -> None:
