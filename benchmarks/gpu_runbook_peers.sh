@@ -156,9 +156,10 @@
 #             each run's worker log apart (worker_conc_*: "waited ... for loads" lines)
 #   fit20g    20K, CUDA graphs, FIT_PASSES passes (default 1): LMCache and kvbm layerwise since it keeps vLLM's
 #             FULL_AND_PIECEWISE graphs (no requires_piecewise_for_cudagraph; compat.layerwise_graph_fit)
-#   staged20g 20K, CUDA graphs, STAGED_PASSES passes (default 2): LMCache, kvbm layerwise and kvbm layerwise with
-#             staged loads (ours_layerwise_staged; STAGED_SYSTEMS changes the systems), the workers with a staging
-#             area of STAGE_MIB (default 1024)
+#   staged20g 20K, CUDA graphs, STAGED_PASSES passes (default 2): LMCache, kvbm layerwise unstaged and kvbm layerwise
+#             with staged loads (ours_layerwise_unstaged, ours_layerwise_staged; STAGED_SYSTEMS changes the systems;
+#             until the twenty-fifth session the unstaged side was ours_layerwise, which now stages where the
+#             workers have an area), the workers with a staging area of STAGE_MIB (default 1024)
 #   greedystaged  max_tokens=8 outputs with CUDA graphs, kvbm layerwise with staged loads against vLLM alone
 #   conc20l   conc20's users under a lighter load: 4 new 20K prompts 1.5 s apart, thinking 300 ms; LMCache and
 #             kvbm layerwise (its default) in one run, 2 passes (conc20's 10 prompts 400 ms apart kept vLLM's
@@ -309,7 +310,7 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
               done
             done ;;
     fit20g) peers lmcache,ours_layerwise --passes ${FIT_PASSES:-1} ;;
-    staged20g) KVBM_WORKER_ARGS="--stage-mib ${STAGE_MIB:-1024}" peers ${STAGED_SYSTEMS:-lmcache,ours_layerwise,ours_layerwise_staged} \
+    staged20g) KVBM_WORKER_ARGS="--stage-mib ${STAGE_MIB:-1024}" peers ${STAGED_SYSTEMS:-lmcache,ours_layerwise_unstaged,ours_layerwise_staged} \
                  --passes ${STAGED_PASSES:-2} ;;
     greedystaged) KVBM_WORKER_ARGS="--stage-mib ${STAGE_MIB:-1024}" $T "$R/greedy8_staged_graphs.jsonl" \
                     baseline,ours_layerwise_staged $G8 --cuda-graphs --timeout 600 >"$R/greedystaged.log" 2>&1 ;;

@@ -38,8 +38,12 @@ LAYER_HOOKS = ("dynamo",)
 #: 2026-11-27's twenty-third session; the same as ours_layerwise / ours since) (A/B);
 #: ours_layerwise_decodesync: such steps plan on that thread below async_store_min_blocks (the
 #: behaviour before) (A/B)
-#: ours_layerwise_staged: each hit staged on the worker right after its lookup (staged_loads true; the
-#: worker needs --stage-mib, e.g. KVBM_WORKER_ARGS="--stage-mib 1024"), against ours_layerwise (A/B)
+#: ours_layerwise_staged: each hit staged on the worker at its lookup, sent by the leader since the
+#: twenty-fifth session (staged_loads true; the worker needs --stage-mib, e.g.
+#: KVBM_WORKER_ARGS="--stage-mib 1024"), against ours_layerwise_unstaged (staged_loads false) (A/B).
+#: staged_loads is on by default since the twenty-fifth session (it stages on the workers that have
+#: an area), so ours_layerwise stages too where the workers have one; before, ours_layerwise was the
+#: unstaged side of this A/B
 OURS = {"ours": {}, "ours_sync": {"load_mode": "sync"}, "ours_async": {"load_mode": "async"},
         "ours_layerwise": {"load_mode": "layerwise"},
         "ours_layerwise_noearly": {"load_mode": "layerwise", "early_loads": False},
@@ -58,7 +62,8 @@ OURS = {"ours": {}, "ours_sync": {"load_mode": "sync"}, "ours_async": {"load_mod
         "ours_layerwise_decodeplans": {"load_mode": "layerwise", "async_decode_store_plans": True},
         "ours_decodeplans": {"async_decode_store_plans": True},
         "ours_layerwise_decodesync": {"load_mode": "layerwise", "async_decode_store_plans": False},
-        "ours_layerwise_staged": {"load_mode": "layerwise", "staged_loads": True}}
+        "ours_layerwise_staged": {"load_mode": "layerwise", "staged_loads": True},
+        "ours_layerwise_unstaged": {"load_mode": "layerwise", "staged_loads": False}}
 #: a system's name ending in this runs it under vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0)
 #: one step at a time (async_scheduling False: where the V1 runner recomputes a failed same-step load
 #: correctly; under async scheduling it killed the engine, compat.default_load_mode). vLLM 0.26 runs

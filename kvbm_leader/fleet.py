@@ -2,8 +2,8 @@
 
 Runs in the leader, on its event loop. Decides the worker RPCs ``Attach``, ``SetLayout`` and
 ``PoolsReady`` (the access policy let only the node's daemons call them), and which workers a
-lookup's stage goes to (``PrepareLoadRequest.stage``: sent on their streams, decided by them). Owns the one reset
-both a lost worker and a re-plan go through (:meth:`WorkerFleet.reset`): every job fails
+lookup's stage goes to (``PrepareLoadRequest.stage``: sent on their streams, decided by them).
+Owns the one reset both a lost worker and a re-plan go through (:meth:`WorkerFleet.reset`): every job fails
 (counted in ``kvbm_failed_jobs``), every block is forgotten (``kvbm_lost_blocks``), routers
 are told (``cleared``). With ``DYN_KVBM_DISK_PERSIST`` a reset leaves the persistent G3
 index as it is, and once every worker's pools are ready the restorer rebuilds G3 from it

@@ -154,7 +154,10 @@ class RequestPlanner:
             self.metrics.count_onboard(decision.reason.value, decision.num_skipped)
         signed = (await self.ledger.issue(plan, session))[1] if plan.keys else None
         if signed is not None and on_signed is not None:
-            on_signed(plan, signed)
+            try:
+                on_signed(plan, signed)
+            except Exception:  # (a stage is a head start: the lookup's answer does not depend on it)
+                log.exception("job %d load: its stage could not be sent", plan.job_id)
         if hits:  # a hit each, without a second pass, once this answer is on its way (over a quarter
             # of the lookup's work at 20K tokens), in slices like any request's work; its only reader
             # is the G2 -> G3 offload filter, a heuristic: a decision made meanwhile sees the hit late

@@ -149,6 +149,7 @@ class WorkerService(rpc.WorkerServicer):  # type: ignore[misc]  # generated base
         if pools is not None:
             info.host_bytes = pools.host.geometry.total_bytes if pools.host else 0
             info.disk_bytes = pools.disk.geometry.total_bytes if pools.disk else 0
+            info.stage_bytes = pools.mover.stage_bytes
         regions = self.regions.summaries()  # NOTE: never a region id (a capability): digests
         return pb.WorkerStatusResponse(info=info, regions=regions,
                                        region_digest=regions[0].digest if regions else "",

@@ -8,9 +8,9 @@ Why: a hit's copy can start only once the engine allocated the blocks it lands i
 the lookup that found it (vLLM 0.26, 20K tokens: 4-5 ms of allocation, then the early load's
 call and the leader's go). A stage sent at the lookup (by the leader, before it answers, when
 the lookup asks for it: ``PrepareLoadRequest.stage``; or by the client after it) copies the
-first layer groups of every block into the worker's own memory meanwhile; once the blocks are known, one scatter per
-staged group (device to device on a GPU) puts them in place while the other groups are copied
-as before (``benchmarks/staging_scatter.py``: one staged group of a 20K load covers 8 ms).
+first layer groups of every block into the worker's own memory meanwhile; once the blocks are
+known, one scatter per staged group (device to device on a GPU) puts them in place while the
+other groups are copied as before (``benchmarks/staging_scatter.py``: one staged group of a 20K load covers 8 ms).
 
 Invariants:
 
@@ -116,6 +116,7 @@ class StageArea:
     def __init__(self, hold_s: float = STAGE_HOLD_S) -> None:
         self.hold_s = hold_s
         self.current: StagedLoad | None = None
+        self.refused_no_area = False  # a stage was refused for want of an area (told once, at info level)
 
     def busy(self, now: float) -> bool:
         """Whether a staged load holds the area."""

@@ -159,6 +159,10 @@ class TransferCalls:
         assert pools is not None  # (check_stage verified the plan's epoch against them)
         why = pools.mover.stage_refusal(region)
         if why is not None:
+            if not pools.mover.stage_bytes and not self.stages.refused_no_area:
+                self.stages.refused_no_area = True  # (once: an engine with staged_loads asks at every hit)
+                log.info("an engine asks to stage its loads (staged_loads), but %s: every stage is refused and "
+                         "its loads run unstaged", why)
             raise refuse(why)
         bounds = self.pools.path.pacing.bounds(region.num_layers, groups)
         layout = StageLayout.fit(len(batch.slots), bounds, region.page_bytes, pools.mover.stage_bytes)

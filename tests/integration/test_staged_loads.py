@@ -113,6 +113,10 @@ def test_stage_refusals_move_nothing(make_node):
 def test_a_worker_without_an_area_refuses_to_stage(make_node):
     s = Setup(make_node())
     refused(lambda: stage(s), grpc.StatusCode.FAILED_PRECONDITION, "no staging area")
+    refused(lambda: stage(s), grpc.StatusCode.FAILED_PRECONDITION, "no staging area")
+    told = [line for line in s.node.log_tails(chars=1 << 20).splitlines()
+            if "asks to stage its loads (staged_loads), but this worker has no staging area" in line]
+    assert len(told) == 1 and " INFO " in told[0], told  # the operator is told once, at info level
 
 
 def test_one_staged_load_at_a_time_and_a_bad_bind_takes_nothing(make_node):
@@ -294,3 +298,25 @@ def test_a_stage_copies_before_its_go_and_its_bind_waits_for_the_go(make_node):
     assert 0 <= copy_started < bind_arrived, "the stage's copy waited for its go"
 
 
+
+
+@pytest.mark.parametrize("area", [True, False])
+def test_the_scheduler_side_names_only_workers_with_an_area(make_node, caplog, area):
+    """``EarlyLoads.stage_targets``: a worker is named once its Status says it has a staging area
+    (asked in the background, never blocking the scheduler's thread); one without an area never."""
+    from kvbm_client.connectors.core import EarlyLoads
+    from kvbm_client.connectors.core.region_ids import EngineRegionIds
+    from test_early_loads import ENGINE, settings as early_settings
+    s = Setup(make_node(worker_args=STAGE_SMALL if area else ()))
+    EngineRegionIds(s.node.config().resolved_socket_dir, ENGINE).publish("0", s.region_id)
+    caplog.set_level("DEBUG", logger="kvbm.connector")
+    early = EarlyLoads(early_settings(s.node), ["0"])
+    try:
+        assert early.stage_targets() == (), "named before the worker said it has an area"
+        end = time.monotonic() + 5
+        while early.stage_targets() == () and time.monotonic() < end and "staging area" not in caplog.text:
+            time.sleep(0.02)
+        assert early.stage_targets() == ((("0", s.region_id),) if area else ())
+        assert ("stages loads" if area else "has no staging area") in caplog.text
+    finally:
+        early.close()

@@ -37,8 +37,8 @@ def test_a_malformed_early_loads_flag_is_refused(settings):
         settings.ConnectorSettings.from_extra({"early_loads": "sometimes"}, "ns")
 
 
-@pytest.mark.parametrize("value,expected", [(None, False), ("true", True), (True, True), ("0", False)])
-def test_staged_loads_are_off_unless_turned_on(settings, value, expected):
+@pytest.mark.parametrize("value,expected", [(None, True), ("true", True), (True, True), ("0", False), (False, False)])
+def test_staged_loads_are_on_unless_turned_off(settings, value, expected):
     extra = {} if value is None else {"staged_loads": value}
     assert settings.ConnectorSettings.from_extra(extra, "ns").staged_loads is expected
     with pytest.raises(ValueError, match="staged_loads='maybe': true or false"):

@@ -74,6 +74,9 @@ class _WorkerLink:
         self.region_id: str | None = None
         self.backoff = Backoff(settings.retry_s)
         self.pending: "list[grpc.Future[Any]]" = []
+        self._area: bool | None = None  # whether the worker has a staging area (None: not known yet)
+        self._status: "grpc.Future[Any] | None" = None  # the Status call that tells it
+        self._status_backoff = Backoff(settings.retry_s)
 
     def submit(self, spec: LoadSpec) -> bool:
         return self._send(spec.plan, spec.signature, spec.layer_groups, spec.engine_blocks)
@@ -98,6 +101,34 @@ class _WorkerLink:
             self.backoff.failed()
         return self.region_id
 
+    def has_area(self) -> bool:
+        """Whether the worker has a staging area (``kvbm-worker --stage-mib``), from its Status
+        once its pools are ready. Never blocks: asked in the background at the first call (and
+        again after ``retry_s`` while the worker is not ready or did not answer); False meanwhile."""
+        if self._area is not None:
+            return self._area
+        if self._status is not None and self._status.done():
+            self._read_area(self._status)
+        if self._area is None and self._status is None and self._status_backoff.ready():
+            self._status = self.stub.Status.future(pb.WorkerStatusRequest(), timeout=self.timeout_s)
+        return bool(self._area)
+
+    def _read_area(self, status: "grpc.Future[Any]") -> None:
+        """Take the area from a finished Status call (one that did not tell: asked again later)."""
+        self._status = None
+        try:
+            info = status.result().info
+        except grpc.RpcError as exc:
+            log.debug("kvbm early loads: no status from %s (%s)", self.address, exc.code().name)
+            self._status_backoff.failed()
+            return
+        if info.state != "ready":
+            self._status_backoff.failed()
+            return
+        self._area = info.stage_bytes > 0
+        log.debug("kvbm: worker %s %s", self.worker_id, f"stages loads (a {info.stage_bytes / (1 << 20):.1f} MiB area)"
+                  if self._area else "has no staging area (kvbm-worker --stage-mib 0): its loads are not staged")
+
     def _reap(self) -> None:
         still = []
         for future in self.pending:
@@ -108,12 +139,12 @@ class _WorkerLink:
             if isinstance(exc, grpc.RpcError):
                 log.debug("kvbm early load on %s: %s (the worker role's call decides)", self.address,
                           exc.details() or exc.code().name)
-                if exc.code() in FORGET_CODES:  # re-registered or restarted: ask for the region again
-                    self.region_id = None
+                if exc.code() in FORGET_CODES:  # re-registered or restarted: ask for the region (and area) again
+                    self.region_id = self._area = None
         self.pending = still
 
     def close(self) -> None:
-        for future in self.pending:
+        for future in self.pending + ([self._status] if self._status is not None else []):
             future.cancel()
         self.pending = []
         self.channel.close()
@@ -131,9 +162,11 @@ class EarlyLoads:
         return sum(link.submit(spec) for link in self._links)
 
     def stage_targets(self) -> tuple[tuple[WorkerId, str], ...]:
-        """The workers a lookup's stage goes to, each with the engine's region there (those
-        whose region is known): the leader sends them the plan (``PrepareLoadRequest.stage``)."""
-        return tuple((link.worker_id, region) for link in self._links if (region := link.region()) is not None)
+        """The workers a lookup's stage goes to, each with the engine's region there: those
+        whose region is known and that have a staging area. The leader sends them the plan
+        (``PrepareLoadRequest.stage``)."""
+        return tuple((link.worker_id, region) for link in self._links
+                     if link.has_area() and (region := link.region()) is not None)
 
     def close(self) -> None:
         for link in self._links:

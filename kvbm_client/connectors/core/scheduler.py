@@ -78,10 +78,11 @@ class SchedulerCore:
         self._leader = leader
         self._extras_of = extras_of
         self._early = early
-        #: stage each new hit right after its lookup (``staged_loads``: early loads in layer groups)
+        #: stage each new hit at its lookup, on the workers with a staging area (``staged_loads``:
+        #: early loads in layer groups)
         self._stages = early is not None and settings.staged_loads and settings.load_layer_groups > 1
         if settings.staged_loads and not self._stages:
-            log.info("kvbm: staged_loads is on, but hits are not staged: they need early loads and load_mode "
+            log.debug("kvbm: staged_loads is on, but hits are not staged: they need early loads and load_mode "
                      "layerwise (with layer_groups > 1)")
         #: plans each step's stores off this thread; they ship with the next step (None: each
         #: step's ``PrepareStore`` is answered here and its stores ship with it)

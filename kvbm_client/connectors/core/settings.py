@@ -119,10 +119,10 @@ class ConnectorSettings:
     #: allocated its blocks (see :mod:`.early_loads`); false: the worker side starts it.
     early_loads: bool = True
     #: with early loads and layer groups: the lookup asks the leader to stage a new hit on the
-    #: worker daemons before it answers, so its copy starts before the engine allocated its
-    #: blocks (the daemons need ``--stage-mib``; see kvbm_worker/stages.py); false: nothing moves
-    #: before the blocks exist
-    staged_loads: bool = False
+    #: worker daemons that have a staging area (``kvbm-worker --stage-mib``, 0 by default: the
+    #: area is the opt-in) before it answers, so its copy starts before the engine allocated its
+    #: blocks (see kvbm_worker/stages.py); false: nothing moves before the blocks exist
+    staged_loads: bool = True
     #: the node's settings as this engine sees them (channels: TLS, tokens, message sizes)
     config: KvbmConfig = field(default_factory=KvbmConfig)
     #: where worker "{id}" takes engine regions (a unix socket path; default: in the socket dir)
@@ -205,7 +205,7 @@ class ConnectorSettings:
                    ready_timeout_s=float(extra.get("ready_timeout_s", 120.0)),
                    load_mode=auto_load_mode if mode is LoadMode.AUTO else mode,
                    early_loads=_flag("early_loads", extra.get("early_loads", True)),
-                   staged_loads=_flag("staged_loads", extra.get("staged_loads", False)),
+                   staged_loads=_flag("staged_loads", extra.get("staged_loads", True)),
                    cost_aware_loads=_flag("cost_aware_loads", extra.get("cost_aware_loads", cfg.cost_aware_loads)),
                    prefill_tokens_per_s=float(extra.get("prefill_tokens_per_s", cfg.prefill_tokens_per_s)),
                    layer_groups=_int("layer_groups", extra.get("layer_groups", DEFAULT_LAYER_GROUPS)),

@@ -114,7 +114,7 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, client_name: _Optional[str] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "rank", "endpoint", "state", "layout", "host_bytes", "disk_bytes", "alloc_progress", "error")
+    __slots__ = ("worker_id", "rank", "endpoint", "state", "layout", "host_bytes", "disk_bytes", "alloc_progress", "error", "stage_bytes")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +124,7 @@ class WorkerInfo(_message.Message):
     DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
     ALLOC_PROGRESS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    STAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     rank: int
     endpoint: str
@@ -133,7 +134,8 @@ class WorkerInfo(_message.Message):
     disk_bytes: int
     alloc_progress: float
     error: str
-    def __init__(self, worker_id: _Optional[str] = ..., rank: _Optional[int] = ..., endpoint: _Optional[str] = ..., state: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., host_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., alloc_progress: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
+    stage_bytes: int
+    def __init__(self, worker_id: _Optional[str] = ..., rank: _Optional[int] = ..., endpoint: _Optional[str] = ..., state: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., host_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., alloc_progress: _Optional[float] = ..., error: _Optional[str] = ..., stage_bytes: _Optional[int] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
     __slots__ = ("session_id", "leader_id", "workers", "max_hashes", "ttl_ms", "presence_path", "presence_slots")
