@@ -75,10 +75,11 @@ class KvbmNode:
 def kvbm_node(tmp_path):
     nodes: list[KvbmNode] = []
 
-    def make(**env: str) -> KvbmNode:
+    def make(worker_args: tuple[str, ...] = (), **env: str) -> KvbmNode:
         root = tmp_path / f"kvbm{len(nodes)}"
         root.mkdir()
-        node = KvbmNode(LocalNode(isolated_env(root, {"DYN_LOG": "debug", **env}), 1, log_dir=root))
+        node = KvbmNode(LocalNode(isolated_env(root, {"DYN_LOG": "debug", **env}), 1, log_dir=root,
+                                  worker_args=worker_args))
         node.start("leader")
         node.start("worker")
         nodes.append(node)

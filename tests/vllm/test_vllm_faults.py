@@ -113,3 +113,22 @@ def test_layerwise_forward_waits_for_late_layers(vllm_python, tiny_model, baseli
     c = node.counters()
     assert c.get("kvbm_failed_jobs", 0) == 0 and c["kvbm_onboard_blocks_h2d"] > 0
     assert node.worker_status().counters["jobs_joined"] > 0
+
+
+def test_staged_layerwise_loads_keep_outputs(vllm_python, tiny_model, baseline, kvbm_node, tmp_path):
+    """``load_mode: layerwise`` with a worker that has a staging area (``--stage-mib``) and the
+    connector's defaults (``staged_loads`` on): each hit's lookup asks the leader to stage it,
+    the worker copies its first layer groups into the area before vLLM allocated the blocks, and
+    the early load takes them from there. vLLM's default layout (the scheduler role learns the
+    worker's area and region across the process boundary); the outputs stay the baseline's."""
+    node = kvbm_node(worker_args=("--stage-mib", "8"), DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS="512")
+    result = run_engine(vllm_python, tiny_model, tmp_path / "staged.json", "--kvbm", "--rounds", "4",
+                        "--kvbm-extra", json.dumps({"load_mode": "layerwise", "layer_groups": 4,
+                                                      "cost_aware_loads": False}), env=node.env,
+                        multiprocess=True)
+    assert result["metrics"]["vllm:external_prefix_cache_hits"] > 0, "nothing was loaded: nothing was tested"
+    assert outputs(result) == outputs(baseline)
+    c = node.worker_status().counters
+    assert c["loads_staged"] > 0 and c["staged_loads_used"] > 0, dict(c)
+    assert node.counters().get("kvbm_failed_jobs", 0) == 0
+
