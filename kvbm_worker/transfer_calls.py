@@ -128,8 +128,8 @@ class TransferCalls:
     async def _stage(self, request: "pb.TransferRequest") -> "pb.TransferResponse":
         """A ``Transfer`` with ``stage``: checked, then staged, the leader's go asked beside the
         copy (module docstring); answered once both are done."""
-        received = time.perf_counter()
-        transit = max(0.0, time.time() - request.sent_at) if request.sent_at else 0.0
+        received, arrived = time.perf_counter(), time.time()
+        transit = max(0.0, arrived - request.sent_at) if request.sent_at else 0.0
         self._guard()
         region = self.regions.get(request.region_id)
         if region is None:
@@ -181,8 +181,8 @@ class TransferCalls:
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # (also read by the binding call)
         await asyncio.shield(task)
         log.debug("job %d load: staged %d of %d layer groups, %d blocks (%.1f MiB), in %.2f ms (request in transit "
-                  "%.1f ms)", job_id, layout.staged, len(bounds), layout.blocks, layout.nbytes / (1 << 20),
-                  (time.perf_counter() - received) * 1e3, transit * 1e3)
+                  "%.1f ms, arrived at %.6f)", job_id, layout.staged, len(bounds), layout.blocks,
+                  layout.nbytes / (1 << 20), (time.perf_counter() - received) * 1e3, transit * 1e3, arrived)
         return pb.TransferResponse(job_id=job_id, bytes=layout.nbytes, waited_seconds=time.perf_counter() - received)
 
     async def stage_for_leader(self, request: "pb.TransferRequest") -> None:
