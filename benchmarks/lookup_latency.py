@@ -38,7 +38,9 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from provenance import provenance
 
@@ -49,6 +51,26 @@ from kvbm_client.leader_session import LeaderSession
 from kvbm_client.local_node import LocalNode, isolated_env
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+@contextmanager
+def engine_node(root: Path, env: dict[str, str], blocks: int, src: Path = REPO,
+                worker_args: tuple[str, ...] = ()) -> Iterator[tuple[LocalNode, KvbmConfig, KvbmClient]]:
+    """A leader and one CPU worker run from ``src`` (child processes, real gRPC over unix sockets,
+    logs in ``root``), with an engine buffer of ``blocks`` blocks (2 pages of 512 bytes each)
+    registered on the worker and its pools ready: the node, its config and the client that
+    registered the buffer (closed, with the buffer, on exit)."""
+    with LocalNode(env, 1, log_dir=root, cwd=src, worker_args=worker_args).start() as node:
+        config = KvbmConfig.from_env(env)
+        engine = ShmKvBuffer(blocks, 2, 512, directory=str(root))
+        client = KvbmClient(config)
+        try:
+            client.register_region("0", engine.spec())
+            client.wait_ready(60)
+            yield node, config, client
+        finally:
+            client.close()
+            engine.close()
 
 
 def one_pass(src: Path, blocks: int, reps: int, op: str = "load", node_env: dict[str, str] | None = None,
@@ -66,33 +88,24 @@ def one_pass(src: Path, blocks: int, reps: int, op: str = "load", node_env: dict
                                   "PYTHONPATH": os.pathsep.join(filter(None, [str(src), os.environ.get("PYTHONPATH")])),
                                   **(node_env or {})})
         keys = sequence_hashes(list(range(blocks * 16)), 16)
-        with LocalNode(env, 1, log_dir=root, cwd=src).start() as node:
-            config = KvbmConfig.from_env(env)
-            engine = ShmKvBuffer(blocks, 2, 512, directory=str(root))
-            client = KvbmClient(config)
-            try:
-                client.register_region("0", engine.spec())
-                client.wait_ready(60)
-                session = LeaderSession(node.leader_address, timeout=10, config=config)
-                if op == "store":
-                    return store_samples(session, blocks, reps)
-                client.wait(client.offload(keys, list(range(blocks))))
-                if op in ("miss", "miss_filter"):
-                    return miss_samples(session, blocks, reps, op == "miss_filter", false_maybe)
-                samples = []
-                for i in range(reps + 10):  # the first 10 warm up and are dropped
-                    t = time.perf_counter()
-                    handle = session.prepare_load(keys, count_hit=True, tokens_per_block=16)
-                    ms = (time.perf_counter() - t) * 1e3
-                    assert handle.num_blocks == blocks, f"matched {handle.num_blocks} of {blocks}"
-                    session.release(handle)
-                    if i >= 10:
-                        samples.append(ms)
-                    time.sleep(gap_s)
-                session.close()
-            finally:
-                client.close()
-                engine.close()
+        with engine_node(root, env, blocks, src) as (node, config, client):
+            session = LeaderSession(node.leader_address, timeout=10, config=config)
+            if op == "store":
+                return store_samples(session, blocks, reps)
+            client.wait(client.offload(keys, list(range(blocks))))
+            if op in ("miss", "miss_filter"):
+                return miss_samples(session, blocks, reps, op == "miss_filter", false_maybe)
+            samples = []
+            for i in range(reps + 10):  # the first 10 warm up and are dropped
+                t = time.perf_counter()
+                handle = session.prepare_load(keys, count_hit=True, tokens_per_block=16)
+                ms = (time.perf_counter() - t) * 1e3
+                assert handle.num_blocks == blocks, f"matched {handle.num_blocks} of {blocks}"
+                session.release(handle)
+                if i >= 10:
+                    samples.append(ms)
+                time.sleep(gap_s)
+            session.close()
     return samples
 
 

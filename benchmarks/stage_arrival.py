@@ -5,8 +5,8 @@ after its answer (``Transfer`` with ``stage``, the way before), alternating requ
 
     python3 benchmarks/stage_arrival.py [--blocks 1258] [--reps 60] [--passes 3] [--gap-ms 50] [--json out.json]
 
-Each pass starts a leader and one CPU worker with a staging area (``--stage-mib 4``; child
-processes, real gRPC over unix sockets, ``DYN_LOG=debug``), offloads ``--blocks`` blocks (1258:
+Each pass starts a leader and one CPU worker with a staging area (``--stage-mib 4``;
+:func:`lookup_latency.engine_node`, ``DYN_LOG=debug``), offloads ``--blocks`` blocks (1258:
 a 20K-token prompt in 16-token blocks), then per request: the lookup (``LeaderSession.prepare_load``,
 the connector's client, the hit counted), the stage (asked in the lookup, or sent after it), the
 call that names the engine blocks 10 ms later (it takes the staged groups and frees the area),
@@ -31,12 +31,13 @@ from pathlib import Path
 
 from provenance import provenance
 
-from kvbm_client import KvbmClient, KvbmConfig, ShmKvBuffer, sequence_hashes
+from kvbm_client import sequence_hashes
 from kvbm_client.channels import open_channel
 from kvbm_client.contract import pb, rpc
 from kvbm_client.ids import WorkerId
 from kvbm_client.leader_session import LeaderSession, StageAsk
-from kvbm_client.local_node import LocalNode, isolated_env
+from kvbm_client.local_node import isolated_env
+from lookup_latency import engine_node
 
 MODES = ("leader", "client")
 ARRIVED = re.compile(r"job (\d+) load: staged .*arrived at ([0-9.]+)\)")
@@ -50,41 +51,32 @@ def one_pass(blocks: int, reps: int, gap_s: float) -> dict[str, list[float]]:
                                   "DYN_KVBM_HOST_FREE_WATERMARK": "0"})
         keys = sequence_hashes(list(range(blocks * 16)), 16)
         answers: dict[int, tuple[str, float]] = {}
-        with LocalNode(env, 1, log_dir=root, worker_args=("--stage-mib", "4")).start() as node:
-            config = KvbmConfig.from_env(env)
-            engine = ShmKvBuffer(blocks, 2, 512, directory=str(root))
-            client = KvbmClient(config)
-            try:
-                client.register_region("0", engine.spec())
-                client.wait_ready(60)
-                client.wait(client.offload(keys, list(range(blocks))))
-                region = client.region_id("0")
-                stub = rpc.WorkerStub(open_channel(config.worker_address("0"), config))
-                session = LeaderSession(node.leader_address, timeout=10, config=config)
-                ask = StageAsk(2, ((WorkerId("0"), region),))
-                for i in range(reps + 10):  # the first 10 warm up and are dropped
-                    mode = MODES[i % 2]
-                    handle = session.prepare_load(keys, count_hit=True, tokens_per_block=16,
-                                                  stage=ask if mode == "leader" else None)
-                    answered = time.time()
-                    signed = pb.SignedPlan(plan=handle.signed.plan, signature=handle.signed.signature)
-                    staged = None
-                    if mode == "client":
-                        staged = stub.Transfer.future(pb.TransferRequest(region_id=region, plan=signed, layer_groups=2,
-                                                                         stage=True, sent_at=time.time()), timeout=10)
-                    if i >= 10:
-                        answers[handle.job_id] = (mode, answered)
-                    time.sleep(0.01)
-                    stub.Transfer(pb.TransferRequest(region_id=region, plan=signed, layer_groups=2,
-                                                     engine_blocks=list(range(blocks))), timeout=10)
-                    if staged is not None:
-                        staged.exception()  # (a refused stage is counted from the log below)
-                    time.sleep(gap_s)
-                session.close()
-            finally:
-                client.close()
-                engine.close()
-            log = "".join(p.read_text() for p in root.glob("*.log"))
+        with engine_node(root, env, blocks, worker_args=("--stage-mib", "4")) as (node, config, client):
+            client.wait(client.offload(keys, list(range(blocks))))
+            region = client.region_id("0")
+            stub = rpc.WorkerStub(open_channel(config.worker_address("0"), config))
+            session = LeaderSession(node.leader_address, timeout=10, config=config)
+            ask = StageAsk(2, ((WorkerId("0"), region),))
+            for i in range(reps + 10):  # the first 10 warm up and are dropped
+                mode = MODES[i % 2]
+                handle = session.prepare_load(keys, count_hit=True, tokens_per_block=16,
+                                              stage=ask if mode == "leader" else None)
+                answered = time.time()
+                signed = pb.SignedPlan(plan=handle.signed.plan, signature=handle.signed.signature)
+                staged = None
+                if mode == "client":
+                    staged = stub.Transfer.future(pb.TransferRequest(region_id=region, plan=signed, layer_groups=2,
+                                                                     stage=True, sent_at=time.time()), timeout=10)
+                if i >= 10:
+                    answers[handle.job_id] = (mode, answered)
+                time.sleep(0.01)
+                stub.Transfer(pb.TransferRequest(region_id=region, plan=signed, layer_groups=2,
+                                                 engine_blocks=list(range(blocks))), timeout=10)
+                if staged is not None:
+                    staged.exception()  # (a refused stage is counted from the log below)
+                time.sleep(gap_s)
+            session.close()
+        log = "".join(p.read_text() for p in root.glob("*.log"))
     out: dict[str, list[float]] = {m: [] for m in MODES}
     for job, arrived in ARRIVED.findall(log):
         if int(job) in answers:

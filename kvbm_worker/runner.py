@@ -162,13 +162,10 @@ class JobRunner(TransferCalls):
             self.counters.add("staged_loads_used")
         try:
             self._check_leader(batch)
-            deadline = min(batch.deadline, go if go is not None else await self.gate.start_job(batch.job))
-            self._check_leader(batch)  # the go came from the leader that issued the plan
+            deadline = go if go is not None else await self._ask_go(batch)
         except JobFailed as exc:
             ticket.release()
             log.warning("%s", exc.message)
-            if exc.code is Code.UNAVAILABLE:  # the leader is away; this daemon and the region are not
-                raise JobFailed(Code.ABORTED, exc.message) from None
             raise
         until = deadline if batch.kind in (PlanKind.LOAD, PlanKind.STORE) else deadline + GRACE_SHARE * self.gate.grace
         try:
@@ -216,13 +213,21 @@ class JobRunner(TransferCalls):
             raise
 
     async def _stage_go(self, batch: Batch) -> float:
-        """The leader's go for a stage's job, asked while its copies run: the deadline it may
-        be used by. ``JobFailed`` when the leader said no (or is away: ABORTED)."""
+        """:meth:`_ask_go` for a stage's job, asked while its copies run (a refusal logged)."""
+        try:
+            return await self._ask_go(batch)
+        except JobFailed as exc:
+            log.debug("job %d load: not staged, %s", batch.job_id, exc.message)
+            raise
+
+    async def _ask_go(self, batch: Batch) -> float:
+        """Step 3: the leader's go for ``batch``'s job, the deadline it may run by. Raises
+        :class:`JobFailed` when the leader says no; ABORTED when it is away (this daemon and the
+        region are not)."""
         try:
             deadline = min(batch.deadline, await self.gate.start_job(batch.job))
             self._check_leader(batch)  # the go came from the leader that issued the plan
         except JobFailed as exc:
-            log.debug("job %d load: not staged, %s", batch.job_id, exc.message)
             if exc.code is Code.UNAVAILABLE:
                 raise JobFailed(Code.ABORTED, exc.message) from None
             raise

@@ -56,6 +56,11 @@ log = logging.getLogger("kvbm.worker")
 Code = grpc.StatusCode
 
 
+def _transit(request: "pb.TransferRequest", arrived: float) -> float:
+    """Seconds from the sender's clock at sending (``sent_at``) to ``arrived`` (0: not given)."""
+    return max(0.0, arrived - request.sent_at) if request.sent_at else 0.0
+
+
 @dataclass(frozen=True, slots=True)
 class _Call:
     """One ``Transfer``/``TransferLayers`` call: the job it started or joined."""
@@ -129,7 +134,7 @@ class TransferCalls:
         """A ``Transfer`` with ``stage``: checked, then staged, the leader's go asked beside the
         copy (module docstring); answered once both are done."""
         received, arrived = time.perf_counter(), time.time()
-        transit = max(0.0, arrived - request.sent_at) if request.sent_at else 0.0
+        transit = _transit(request, arrived)
         self._guard()
         region = self.regions.get(request.region_id)
         if region is None:
@@ -197,7 +202,7 @@ class TransferCalls:
     def _start_or_join(self, request: "pb.TransferRequest") -> "_Call":
         """Check ``request`` and start its job, or join the job of the same plan."""
         received = time.perf_counter()
-        transit = max(0.0, time.time() - request.sent_at) if request.sent_at else 0.0
+        transit = _transit(request, time.time())
         self._guard()
         region = self.regions.get(request.region_id)
         if region is None:
