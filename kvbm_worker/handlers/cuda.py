@@ -164,7 +164,10 @@ class CudaMover(BlockMover):
         if not isinstance(region, CudaEngineRegion):
             return super()._signal(region, slot, value)
         assert region.signals is not None and region.signals.device_ptr is not None, "a signal page without CUDA"
-        return _Event(self.copier.write_word(Direction.H2D, region.signals.device_ptr + 4 * slot, value))
+        # (a staged group's scatter runs beside the load stream: the word waits for the last one too)
+        last = self.staging.last_scatter if self.staging is not None else None
+        return _Event(self.copier.write_word(Direction.H2D, region.signals.device_ptr + 4 * slot, value,
+                                             after=() if last is None else (last,)))
 
     def _gpu_mark(self) -> object | None:
         mark: object = self.copier.mark(Direction.H2D)

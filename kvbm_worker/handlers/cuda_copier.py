@@ -138,16 +138,16 @@ class CudaCopier:
             h, d = np.array([host_src, host_src + half]), np.array([dev.data_ptr(), dev.data_ptr() + half])
             src, dst = (d, h) if direction is Direction.D2H else (h, d)
             self._issue(src, dst, np.array([half, half]), self._dma_mechanism(), stream)
-            self._record(stream).synchronize()
+            self.record(stream).synchronize()
             del host, dev
 
     # ------------------------------------------------------------------ entry
     def mark(self, direction: str) -> Any:
         """A timing event recorded now on ``direction``'s stream (for ``copy(..., timed=True)``'s
         ``elapsed_time``: the GPU's own account of when a copy landed)."""
-        return self._record(self.streams[Direction(direction)], timed=True)
+        return self.record(self.streams[Direction(direction)], timed=True)
 
-    def _record(self, stream: Any, timed: bool = False) -> Any:
+    def record(self, stream: Any, timed: bool = False) -> Any:
         """A CUDA event recorded now on ``stream``: one of the direct calls' where they are in
         use (so that every event of this copier is of one kind: ``elapsed_time`` pairs them),
         else torch's. ``timed``: usable in ``elapsed_time``."""
@@ -159,16 +159,18 @@ class CudaCopier:
         event.record(stream)
         return event
 
-    def write_word(self, direction: str, address: int, value: int) -> Any:
+    def write_word(self, direction: str, address: int, value: int, after: Sequence[Any] = ()) -> Any:
         """Write the uint32 ``value`` at ``address`` (host memory registered with CUDA) once every
-        copy issued on ``direction``'s stream before has landed, holding neither that stream nor
-        the caller (:class:`~.signal_words.SignalWords`). Returns the CUDA event of the write."""
+        copy issued on ``direction``'s stream before has landed, and every event in ``after`` (of
+        :meth:`record`: work on other streams, such as a staged load's scatter) fired, holding
+        neither that stream nor the caller (:class:`~.signal_words.SignalWords`). Returns the
+        CUDA event of the write."""
         if self._words is None:
-            self._words = SignalWords(self.device, self._record, self._wait)
-        return self._words.write(self.streams[Direction(direction)], address, value)
+            self._words = SignalWords(self.device, self.record, self.wait_for)
+        return self._words.write(self.streams[Direction(direction)], address, value, after)
 
-    def _wait(self, stream: Any, event: Any) -> None:
-        """``stream`` runs nothing enqueued after this before ``event`` (of :meth:`_record`) fired."""
+    def wait_for(self, stream: Any, event: Any) -> None:
+        """``stream`` runs nothing enqueued after this before ``event`` (of :meth:`record`) fired."""
         if self._direct is not None:
             self._direct.wait(stream.cuda_stream, event)
         else:
@@ -196,7 +198,7 @@ class CudaCopier:
             else:
                 src, dst = self._pages(direction, region, ids, host_addrs, pages)
                 self._dma(src, dst, region.page_bytes, direction is Direction.H2D, mech, stream)
-        event = self._record(stream, timed)
+        event = self.record(stream, timed)
         if wait:
             event.synchronize()
         return event

@@ -23,7 +23,7 @@ catch-ups), so an entry is never rewritten while a write still reads it.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from ..cuda_region import check, cudart
 
@@ -42,15 +42,17 @@ class SignalWords:
         self._next = 0
         self._sides: dict[int, Any] = {}  # copy stream handle -> its word stream
 
-    def write(self, stream: Any, address: int, value: int) -> Any:
-        """``value`` (uint32) to ``address`` after every copy issued on ``stream`` so far; the
-        event that marks it written."""
+    def write(self, stream: Any, address: int, value: int, after: Sequence[Any] = ()) -> Any:
+        """``value`` (uint32) to ``address`` after every copy issued on ``stream`` so far and
+        every event in ``after``; the event that marks it written."""
         import torch
         side = self._sides.get(stream.cuda_stream)
         if side is None:
             new: Any = torch.cuda.Stream  # (untyped constructor)
             side = self._sides[stream.cuda_stream] = new(device=self.device)
         self._wait(side, self._record(stream))
+        for event in after:
+            self._wait(side, event)
         i, self._next = self._next, (self._next + 1) % WORDS
         self._host[i] = value
         rt = cudart()

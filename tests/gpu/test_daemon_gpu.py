@@ -49,6 +49,26 @@ def roundtrip(node, layout_from: str, layout_to: str, tier: Tier) -> None:
     client.unregister_region("0")
 
 
+def staged_load(node, client, hs: list[bytes], dst: list[int], **binding):
+    """Look ``hs`` up, stage the plan (``Transfer`` with ``stage``, 3 layer groups), then bind it
+    to ``dst`` (``TransferLayers``, with ``binding``'s fields); the stage's answer, the binding
+    call's messages and the worker's counters after it."""
+    from kvbm_client.channels import open_channel
+    from kvbm_client.contract import pb, rpc
+    from kvbm_client.leader_session import LeaderSession
+    with LeaderSession(node.leader_address, timeout=5) as session:
+        load = session.prepare_load(hs)
+        stub = rpc.WorkerStub(open_channel(node.config().worker_address("0"), node.config()))
+        signed = pb.SignedPlan(plan=load.signed.plan, signature=load.signed.signature)
+        region = client.region_id("0")
+        staged = stub.Transfer(pb.TransferRequest(region_id=region, layer_groups=3, plan=signed, stage=True),
+                               timeout=30)
+        request = pb.TransferRequest(region_id=region, engine_blocks=dst, layer_groups=3, plan=signed, **binding)
+        messages = list(stub.TransferLayers(request, timeout=30))
+        counters = stub.Status(pb.WorkerStatusRequest(), timeout=5).counters
+    return staged, messages, counters
+
+
 @pytest.mark.parametrize("layouts", [("cross", "cross"), ("layers", "layers"), ("cross", "layers")])
 def test_g2_roundtrip_through_ipc(gpu_node, layouts):
     node = gpu_node(DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS="64")
@@ -107,9 +127,6 @@ def test_a_staged_load_through_ipc(gpu_node, layout, area):
     """A load staged before its blocks are named (``--stage-mib``): its first layer group (or
     every group) copied into the worker's GPU staging area, then scattered into the engine's
     blocks by index_copy_ kernels once a TransferLayers call names them; bytes equal."""
-    from kvbm_client.channels import open_channel
-    from kvbm_client.contract import pb, rpc
-    from kvbm_client.leader_session import LeaderSession
     from kvbm_worker.grouping import GroupPacing
     pages, page_bytes, n = 2 * LAYERS, 16 * 2 * 64 * 2, 40
     bounds = GroupPacing().bounds(pages, 3)
@@ -126,16 +143,8 @@ def test_a_staged_load_through_ipc(gpu_node, layout, area):
     client.wait(client.offload(hs, src))
     fill_random(kv, 2)
     dst = list(range(50, 50 + n))
-    with LeaderSession(node.leader_address, timeout=5) as session:
-        load = session.prepare_load(hs)
-        stub = rpc.WorkerStub(open_channel(node.config().worker_address("0"), node.config()))
-        signed = pb.SignedPlan(plan=load.signed.plan, signature=load.signed.signature)
-        staged = stub.Transfer(pb.TransferRequest(region_id=client.region_id("0"), layer_groups=3, plan=signed,
-                                                  stage=True), timeout=30)
-        assert staged.bytes == (first if area == "first" else n * pages * page_bytes)
-        request = pb.TransferRequest(region_id=client.region_id("0"), engine_blocks=dst, layer_groups=3, plan=signed)
-        messages = list(stub.TransferLayers(request, timeout=30))
-        counters = stub.Status(pb.WorkerStatusRequest(), timeout=5).counters
+    staged, messages, counters = staged_load(node, client, hs, dst)
+    assert staged.bytes == (first if area == "first" else n * pages * page_bytes)
     assert messages[-1].HasField("done") and messages[-1].pages_landed == pages
     assert counters["staged_loads_used"] == 1
     for d, r in zip(dst, ref):
@@ -264,6 +273,54 @@ def test_a_layerwise_load_writes_its_word_after_its_copies(gpu_node):
         assert int(signals.words[signal.slot]) == signal.base + pages
         stream.synchronize()
         assert torch.equal(seen, ref), "the engine's stream read the blocks before their word said they landed"
+    finally:
+        signals.release(signal)
+        torch.cuda.synchronize()
+        client.unregister_region("0")
+        signals.close()
+
+
+@pytest.mark.parametrize("layout", ["cross", "layers"])
+def test_a_staged_loads_words_wait_for_its_scatters(gpu_node, layout):
+    """Every group staged (``--stage-mib`` over the load): the scatters run beside the load stream,
+    and the load's words still come after them. The engine's stream, waiting for the first
+    group's word and then the last, reads those pages equal to the offloaded bytes (enqueued
+    before the daemon got the calls)."""
+    from kvbm_client.signal_page import EngineSignals, SignalledRegion
+    from kvbm_worker.grouping import GroupPacing
+    pages, page_bytes, n = 2 * LAYERS, 16 * 2 * 64 * 2, 40
+    first = GroupPacing().bounds(pages, 3)[0]
+    node = gpu_node("--stage-mib", "64", DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS="64")
+    client = node.client()
+    kv = make_kv(layout, NUM_BLOCKS, LAYERS)
+    fill_random(kv, 1)
+    signals = EngineSignals()
+    assert signals.enable_gpu(0) is None
+    client.register_region("0", SignalledRegion(export_kv_cache(kv, block_dim=block_dim(layout)), signals))
+    client.wait_ready(60)
+    hs, src = keys(n, 6), list(range(3, 3 + n))
+    ref = torch.stack([block_bytes(kv, layout, b).clone() for b in src])
+    client.wait(client.offload(hs, src))
+    fill_random(kv, 2)
+    signal = signals.take(pages)
+    assert signal is not None
+    dst = list(range(50, 50 + n))
+    stream = torch.cuda.Stream()
+    try:
+        with torch.cuda.stream(stream):  # read after each word only
+            signals.wait(signal, first, stream.cuda_stream, 30.0)
+            seen_first = torch.stack([block_bytes(kv, layout, d)[:first * page_bytes] for d in dst])
+            signals.wait(signal, pages, stream.cuda_stream, 30.0)
+            seen = torch.stack([block_bytes(kv, layout, d) for d in dst])
+        staged, messages, counters = staged_load(node, client, hs, dst, signal_slot=signal.slot + 1,
+                                                 signal_base=signal.base)
+        assert staged.bytes == n * pages * page_bytes, "every group staged"
+        assert messages[-1].HasField("done"), node.log()[-3000:]
+        assert counters["staged_loads_used"] == 1
+        assert int(signals.words[signal.slot]) == signal.base + pages
+        stream.synchronize()
+        assert torch.equal(seen_first, ref[:, :first * page_bytes]), "the first group's word passed before its scatter"
+        assert torch.equal(seen, ref), "the last word passed before every group was in the blocks"
     finally:
         signals.release(signal)
         torch.cuda.synchronize()
