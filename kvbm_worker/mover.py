@@ -28,6 +28,7 @@ so a late copy stops instead of landing in a reused slot (:class:`~.errors.CopyE
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from typing import Callable, Sequence
@@ -55,6 +56,8 @@ from .regions import EngineRegion
 from .runs import chunks
 from .signals import SignalWriter
 from .stages import StageLayout
+
+log = logging.getLogger("kvbm.worker")
 
 Ids = npt.NDArray[np.int64]
 Rows = npt.NDArray[np.uint8]
@@ -149,7 +152,7 @@ class BlockMover(DiskCopies):
         return DONE
 
     def _gpu_mark(self) -> object | None:
-        """A mark on the load stream's clock (None: this medium has none; the CPU copies)."""
+        """A mark of the medium's clock at the job's start (None: this medium has none; the CPU copies)."""
         return None
 
     def _gpu_ms(self, mark: object, copy: Pending) -> float | None:
@@ -196,6 +199,17 @@ class BlockMover(DiskCopies):
             for lo, hi in chunks(len(slots), HOST_CHUNK_BYTES // region.block_bytes):
                 self._verify(sums, Tier.HOST, Slots(slots[lo:hi]), host.slots, Slots(slots[lo:hi]))
         self._to_stage(region, host.slots, slots, layout)
+
+    def _timed(self, mark: object | None, copy: Pending) -> float | None:
+        """:meth:`_gpu_ms` for the debug log's piece times; a timing that fails is left out (a
+        log line is never worth failing a job: an H100 run's staged jobs all failed on one)."""
+        if mark is None:
+            return None
+        try:
+            return self._gpu_ms(mark, copy)
+        except Exception as exc:  # noqa: BLE001 - any medium's error: the copy itself landed
+            log.debug("a piece's GPU time was left out: %s", exc)
+            return None
 
     def _check_time(self, until: float) -> None:
         late = self.clock() - until
@@ -251,8 +265,7 @@ class BlockMover(DiskCopies):
             queued -= nbytes
             if times is not None:
                 landed = time.perf_counter()
-                times.append(PieceTimes(began, sent, landed, self._gpu_ms(mark, copy) if mark is not None else None,
-                                        used))
+                times.append(PieceTimes(began, sent, landed, self._timed(mark, copy), used))
             if sums is not None and kind is PlanKind.STORE:
                 sums.seal(to, host.slots, to)
             if group_done and grouping is not None and pages is not None:

@@ -170,12 +170,14 @@ class CudaMover(BlockMover):
                                              after=() if last is None else (last,)))
 
     def _gpu_mark(self) -> object | None:
-        mark: object = self.copier.mark(Direction.H2D)
+        mark: object = self.copier.now()
         return mark
 
     def _gpu_ms(self, mark: object, copy: Pending) -> float | None:
         if not isinstance(copy, _Event):
             return None  # a piece the CPU path copied
+        if not (mark.query() and copy.event.query()):  # type: ignore[attr-defined]
+            return None  # (a timing is never worth failing a job: both must have fired)
         return float(mark.elapsed_time(copy.event))  # type: ignore[attr-defined]  # (a torch.cuda.Event)
 
     def close(self) -> None:

@@ -96,6 +96,7 @@ class CudaCopier:
         self.staging_bytes = staging_bytes
         stream: Any = torch.cuda.Stream  # (untyped constructor)
         self.streams = {d: stream(device=device) for d in Direction}
+        self._clock = stream(device=device)  # nothing but timing events: :meth:`now`
         self._staging: dict[Direction, Any] = {}
         self._views: dict[str, GatherViews] = {}
         self._batch_ok: bool | None = None
@@ -146,6 +147,13 @@ class CudaCopier:
         """A timing event recorded now on ``direction``'s stream (for ``copy(..., timed=True)``'s
         ``elapsed_time``: the GPU's own account of when a copy landed)."""
         return self.record(self.streams[Direction(direction)], timed=True)
+
+    def now(self) -> Any:
+        """A timing event of the GPU's clock now: recorded on a stream with nothing queued, so
+        it fires at once, not behind the copies queued on a copy stream (a staged load's
+        copies into its area, on the load stream, run up to a whole load's time after the job's
+        start, and a scatter beside them can land before they do)."""
+        return self.record(self._clock, timed=True)
 
     def record(self, stream: Any, timed: bool = False) -> Any:
         """A CUDA event recorded now on ``stream``: one of the direct calls' where they are in

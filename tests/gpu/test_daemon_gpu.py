@@ -285,26 +285,32 @@ def test_a_staged_loads_words_wait_for_its_scatters(gpu_node, layout):
     """Every group staged (``--stage-mib`` over the load): the scatters run beside the load stream,
     and the load's words still come after them. The engine's stream, waiting for the first
     group's word and then the last, reads those pages equal to the offloaded bytes (enqueued
-    before the daemon got the calls)."""
+    before the daemon got the calls).
+
+    The load is large (800 MiB, ~15 ms of staging copies on an H100), so the binding call comes
+    while the staging copies still run: the job's pieces are timed (``DYN_LOG=debug``) against a
+    clock that must not wait for them (first run on an H100: every such job failed,
+    ``cudaEventElapsedTime: cudaErrorNotReady``, the mark queued behind the staging copies)."""
     from kvbm_client.signal_page import EngineSignals, SignalledRegion
     from kvbm_worker.grouping import GroupPacing
-    pages, page_bytes, n = 2 * LAYERS, 16 * 2 * 64 * 2, 40
+    tokens, heads, dim = 128, 16, 128
+    pages, page_bytes, n = 2 * LAYERS, tokens * heads * dim * 2, 200
     first = GroupPacing().bounds(pages, 3)[0]
-    node = gpu_node("--stage-mib", "64", DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS="64")
+    node = gpu_node("--stage-mib", str(n * pages * page_bytes >> 20), DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS="256")
     client = node.client()
-    kv = make_kv(layout, NUM_BLOCKS, LAYERS)
+    kv = make_kv(layout, 2 * n + 20, LAYERS, tokens=tokens, heads=heads, dim=dim)
     fill_random(kv, 1)
     signals = EngineSignals()
     assert signals.enable_gpu(0) is None
     client.register_region("0", SignalledRegion(export_kv_cache(kv, block_dim=block_dim(layout)), signals))
     client.wait_ready(60)
-    hs, src = keys(n, 6), list(range(3, 3 + n))
+    hs, src = keys(n, 6), list(range(n))
     ref = torch.stack([block_bytes(kv, layout, b).clone() for b in src])
     client.wait(client.offload(hs, src))
     fill_random(kv, 2)
     signal = signals.take(pages)
     assert signal is not None
-    dst = list(range(50, 50 + n))
+    dst = list(range(n + 10, 2 * n + 10))
     stream = torch.cuda.Stream()
     try:
         with torch.cuda.stream(stream):  # read after each word only

@@ -197,6 +197,35 @@ def test_a_layer_grouped_load_lands_group_by_group_and_times_every_piece(rig):
     assert all(p.began <= p.issued <= p.landed and p.gpu_ms is None for p in pieces)
 
 
+class ClockFails(BlockMover):
+    """The CPU medium whose GPU clock has a mark but cannot time a copy (as CUDA answered
+    ``cudaErrorNotReady`` for a mark queued behind a stage's copies)."""
+
+    def _gpu_mark(self):
+        return object()
+
+    def _gpu_ms(self, mark, copy):
+        raise RuntimeError("cudaEventElapsedTime: cudaErrorNotReady")
+
+
+def test_a_piece_that_cannot_be_timed_is_logged_without_its_time_and_the_load_lands(rig):
+    r = rig()
+    r.run(PlanKind.STORE, Tier.HOST, slots=[0, 1, 2, 3], blocks=[4, 5, 6, 7])
+    before = [r.page(b).tobytes() for b in (4, 5, 6, 7)]
+    mover = ClockFails(r.host, None, None)
+    landed: list[int] = []
+    pieces: list[mover_module.PieceTimes] = []
+    ids = lambda v: np.asarray(v, np.int64)  # noqa: E731
+    batch = Batch(PlanKind.LOAD, JobKey("L", 1, JobId(2)), FAR, ids([Tier.HOST] * 4), ids([0, 1, 2, 3]),
+                  ids([10, 11, 12, 13]))
+    try:
+        mover.run(batch, r.region, FAR, mover_module.Grouping([1, 3], landed.append, pieces))
+    finally:
+        mover.close()
+    assert landed == [1, 3] and pieces and all(p.gpu_ms is None for p in pieces)
+    assert [r.page(b).tobytes() for b in (10, 11, 12, 13)] == before
+
+
 def test_a_staged_load_takes_its_staged_groups_from_the_area_and_the_rest_from_the_slots(rig):
     """Staged groups are the bytes read at the stage (the slots are overwritten after it here, to
     tell the two sources apart), the other groups those of the slots when the blocks are known."""
