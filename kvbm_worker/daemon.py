@@ -203,10 +203,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a staging area of this many MiB (on the GPU with --gpu: memory outside the engine's "
                              "budget) for loads staged at their lookup, before the engine allocated their blocks "
                              "(the connector's staged_loads, on by default, uses it once this worker reports it): "
-                             "the first layer groups of every block are copied into it while the leader's go is "
-                             "asked, and scattered into the blocks once they are known; one staged load at a time, "
+                             "the first layer group of every block is copied into it while the leader's go is "
+                             "asked, and scattered into the blocks once they are known (the other groups are "
+                             "copied straight, so a larger area gains nothing); one staged load at a time, "
                              f"held {STAGE_HOLD_S:g} s for its blocks. 20K tokens of a Qwen3-4B-sized model: 1024 "
-                             "holds one group of six. 0: no staging area (stages are refused) [default 0]")
+                             "holds the first group of six. 0: no staging area (stages are refused) [default 0]")
     parser.add_argument("--issue-threads", type=int, default=ISSUE_THREADS, metavar="N",
                         help="with --gpu: threads issuing a load's copies at once when one call has at least "
                              f"{SPLIT_MIN_COPIES} (a KV cache allocated per layer, as vLLM's V2 model runner does, "

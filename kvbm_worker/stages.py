@@ -8,9 +8,10 @@ Why: a hit's copy can start only once the engine allocated the blocks it lands i
 the lookup that found it (vLLM 0.26, 20K tokens: 4-5 ms of allocation, then the early load's
 call and the leader's go). A stage sent at the lookup (by the leader, before it answers, when
 the lookup asks for it: ``PrepareLoadRequest.stage``; or by the client after it) copies the
-first layer groups of every block into the worker's own memory meanwhile; once the blocks are
-known, one scatter per staged group (device to device on a GPU) puts them in place while the
-other groups are copied as before (``benchmarks/staging_scatter.py``: one staged group of a 20K load covers 8 ms).
+first layer group of every block (that one only: :data:`MAX_STAGED_GROUPS`) into the worker's
+own memory meanwhile; once the blocks are known, one scatter per staged group (device to device
+on a GPU) puts them in place while the other groups are copied as before
+(``benchmarks/staging_scatter.py``: one staged group of a 20K load covers 8 ms).
 
 Invariants:
 
@@ -48,6 +49,15 @@ Ids = npt.NDArray[np.int64]
 #: lookup (ms), but a request that does not fit the step keeps its plan for a later one.
 STAGE_HOLD_S = 1.0
 MAX_STAGE_MIB = 64 << 10
+#: NOTE: a stage takes the load's first layer group only, whatever the area holds. The binding
+#: call uploads the group's block indices for its scatter on another stream, and on an H100 such
+#: an upload waited behind the staging copies queued before it (twenty-sixth session: with all
+#: six groups of a 20K hit staged the first group reached the engine 21.0 ms after the worker
+#: role's call against 18.0 unstaged, and TTFT gained 1.1 ms; on an H200 an upload issued 5 ms
+#: into 2.9 GB of queued copies landed with their last one, ``benchmarks/upload_behind_copies.py``).
+#: The first group alone covers the head start (a 20K hit's is ~16 ms of copy against a job that
+#: starts 3-5 ms after its stage), and the job's own copies of the later groups keep the link busy.
+MAX_STAGED_GROUPS = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,11 +72,12 @@ class StageLayout:
     page_bytes: int
 
     @staticmethod
-    def fit(blocks: int, bounds: list[int], page_bytes: int, capacity: int) -> "StageLayout | None":
-        """The most leading groups of a ``blocks``-block load that fit ``capacity`` bytes (None:
-        not even the first fits)."""
+    def fit(blocks: int, bounds: list[int], page_bytes: int, capacity: int,
+            max_groups: int = MAX_STAGED_GROUPS) -> "StageLayout | None":
+        """The most leading groups (at most ``max_groups``) of a ``blocks``-block load that fit
+        ``capacity`` bytes (None: not even the first fits)."""
         staged = 0
-        while staged < len(bounds) and blocks * bounds[staged] * page_bytes <= capacity:
+        while staged < min(len(bounds), max_groups) and blocks * bounds[staged] * page_bytes <= capacity:
             staged += 1
         return StageLayout(blocks, tuple(bounds), staged, page_bytes) if staged else None
 

@@ -18,7 +18,7 @@ never vouch for the bytes (only the outcome does). Layer groups are for loads on
 :data:`~kvbm_client.contract.MAX_LAYER_GROUPS`; a load that reads G3 lands whole blocks.
 
 A ``Transfer`` with ``stage`` (:mod:`.stages`) stages a load before its engine blocks exist: the
-plan's checks, then its first layer groups into the staging area on the load lane, the leader's
+plan's checks, then its first layer group into the staging area on the load lane, the leader's
 go asked beside the copy; the first call of the same plan that names the blocks starts the job
 with them once that go came (no second go: the stage's stands). A stage that cannot be made is
 FAILED_PRECONDITION; nothing moved. The leader sends such a request itself when a client's

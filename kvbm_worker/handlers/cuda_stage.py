@@ -1,5 +1,5 @@
 """A GPU worker's staging area (``kvbm-worker --gpu N --stage-mib M``) and its two copies: a
-staged load's leading layer groups from pinned G2 slots into the area (DMA, before the engine's
+staged load's first layer group from pinned G2 slots into the area (DMA, before the engine's
 blocks are known), then from the area into a CUDA IPC region's pages (one ``index_copy_`` per
 staged group and buffer, once they are).
 

@@ -9,7 +9,7 @@ import pytest
 
 from kvbm_client.ids import JobId
 from kvbm_worker.jobs import JobKey
-from kvbm_worker.stages import StageArea, StageLayout
+from kvbm_worker.stages import MAX_STAGED_GROUPS, StageArea, StageLayout
 
 LAYOUT = StageLayout(4, (2, 3, 4), 1, 100)
 A, B = JobKey("L", 1, JobId(1)), JobKey("L", 1, JobId(2))
@@ -82,10 +82,13 @@ def test_releasing_a_load_that_no_longer_holds_the_area_changes_nothing(loop):
 
 def test_stage_layouts_fit_the_leading_groups_the_area_holds():
     assert StageLayout.fit(10, [4, 6, 7, 8], 100, 10 * 4 * 100 - 1) is None
-    small = StageLayout.fit(10, [4, 6, 7, 8], 100, 10 * 6 * 100)
+    first = StageLayout.fit(10, [4, 6, 7, 8], 100, 1 << 20)
+    assert first is not None and first.staged == 1 == MAX_STAGED_GROUPS and first.nbytes == 4000, \
+        "the first group only, however large the area"
+    small = StageLayout.fit(10, [4, 6, 7, 8], 100, 10 * 6 * 100, max_groups=4)
     assert small is not None and small.staged == 2 and small.nbytes == 6000
     assert small.pages(1) == (4, 6) and small.group_offset(1) == 4000 and small.group_bytes(1) == 200
     assert small.block_offsets(1).tolist() == [4000 + 200 * i for i in range(10)]
     assert small.group_of((4, 6)) == 1 and small.group_of((6, 7)) is None
-    whole = StageLayout.fit(10, [4, 6, 7, 8], 100, 1 << 20)
+    whole = StageLayout.fit(10, [4, 6, 7, 8], 100, 1 << 20, max_groups=4)
     assert whole is not None and whole.staged == 4 and whole.nbytes == 8000

@@ -13,7 +13,7 @@ running and returns when it is done. The worker side's call stays the one whose 
 counts: an early call that fails only costs the head start (it is logged at debug level and
 never waited for). With ``staged_loads`` the lookup asks the leader to stage the hit on the
 workers :meth:`EarlyLoads.stage_targets` names (``PrepareLoadRequest.stage``): the leader sends
-each the plan before it answers, the worker copies the hit's first layer groups into its own
+each the plan before it answers, the worker copies the hit's first layer group into its own
 staging area meanwhile, and the early load (or the worker side's call) takes them from there.
 
 Runs on the engine's scheduler thread: one non-blocking gRPC call per worker per load, plus
