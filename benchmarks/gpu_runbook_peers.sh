@@ -161,6 +161,8 @@
 #             until the twenty-fifth session the unstaged side was ours_layerwise, which now stages where the
 #             workers have an area), the workers with a staging area of STAGE_MIB (default 1024)
 #   greedystaged  max_tokens=8 outputs with CUDA graphs, kvbm layerwise with staged loads against vLLM alone
+#   upload    does a small upload (or kernel) on another stream wait behind queued copies?
+#             (upload_behind_copies.py: why a stage takes the first layer group only)
 #   gatestaged    the staged path's GPU tests (tests/gpu/test_daemon_gpu.py -k staged); if one fails, the
 #             runbook stops there (no engine run on a broken scatter: twenty-sixth session, every staged
 #             load of a run failed and was recomputed)
@@ -212,6 +214,8 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
            --json "$R/g2_copy_gap$g.json" >>"$R/gap.log" 2>&1; done ;;
     gputests) python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_copier.py tests/gpu/test_daemon_gpu.py \
                 >"$R/gpu_tests.txt" 2>&1 ;;
+    upload) timeout 120 python3 benchmarks/upload_behind_copies.py --json "$R/upload_behind_copies.json" \
+              >"$R/upload.log" 2>&1 ;;
     gatestaged) if ! python3 -m pytest -q -p no:cacheprovider tests/gpu/test_daemon_gpu.py -k staged \
                      >"$R/gpu_tests_staged.txt" 2>&1; then step "gatestaged failed: the runbook stops"; exit 1; fi ;;
     probes) for v in "LAZY plain" "LAZY no_mul" "EAGER plain"; do set -- $v

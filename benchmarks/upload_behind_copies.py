@@ -13,7 +13,14 @@ copy. This times, on the GPU's clock from the first queued copy: the end of the 
 an upload of ``n`` int64 indices issued ``--after-ms`` later on another stream, three ways:
 ``pinned`` (``pin_memory().to(non_blocking=True)``, as the stage does), ``pageable`` (a plain
 ``.to()`` from pageable memory) and ``kernel`` (the indices read from mapped pinned memory by a
-copy kernel, which needs no copy engine). Medians over ``--reps``.
+copy kernel, which needs no copy engine); and ``compute``, a kernel that reads no host memory
+(``torch.arange`` on the device: does any work on another stream wait behind the copies?).
+Medians over ``--reps``.
+
+H200 "e" (twenty-sixth session, ``results/upload_behind_copies_h200_2026-11-28e.json``, before
+``compute`` existed): every upload landed with the copies' end (53.65 / 53.76 / 53.74 ms against
+53.64 / 53.76 / 53.73); the ``kernel`` way goes through ``torch.as_tensor`` on a host address,
+which may synchronise by itself.
 """
 from __future__ import annotations
 
@@ -44,7 +51,9 @@ def one(h: Any, d: Any, chunk: int, after_ms: float, way: str, n: int) -> dict[s
     while (time.perf_counter() - t0) * 1e3 < after_ms:
         time.sleep(0.0002)
     with torch.cuda.stream(side):
-        if way == "pinned":
+        if way == "compute":
+            idx = torch.arange(n - 1, -1, -1, dtype=torch.int64, device="cuda")
+        elif way == "pinned":
             idx = torch.from_numpy(values).pin_memory().to("cuda", non_blocking=True)
         elif way == "pageable":
             idx = torch.from_numpy(values).to("cuda", non_blocking=True)
@@ -79,7 +88,7 @@ def main() -> None:
     d = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     chunk = int(args.chunk_mib * (1 << 20))
     rows = []
-    for way in ("pinned", "pageable", "kernel"):
+    for way in ("compute", "pinned", "pageable", "kernel"):
         try:
             runs = [one(h, d, chunk, args.after_ms, way, args.indices) for _ in range(args.reps)]
         except Exception as exc:  # noqa: BLE001 - a way this torch or driver refuses: said in the row
