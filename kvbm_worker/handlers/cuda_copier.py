@@ -143,16 +143,12 @@ class CudaCopier:
             del host, dev
 
     # ------------------------------------------------------------------ entry
-    def mark(self, direction: str) -> Any:
-        """A timing event recorded now on ``direction``'s stream (for ``copy(..., timed=True)``'s
-        ``elapsed_time``: the GPU's own account of when a copy landed)."""
-        return self.record(self.streams[Direction(direction)], timed=True)
-
     def now(self) -> Any:
-        """A timing event of the GPU's clock now: recorded on a stream with nothing queued, so
-        it fires at once, not behind the copies queued on a copy stream (a staged load's
-        copies into its area, on the load stream, run up to a whole load's time after the job's
-        start, and a scatter beside them can land before they do)."""
+        """A timing event of the GPU's clock now (for ``copy(..., timed=True)``'s
+        ``elapsed_time``: the GPU's own account of when a copy landed): recorded on a stream
+        with nothing queued, so it fires at once, not behind the copies queued on a copy stream
+        (a staged load's copies into its area, on the load stream, run up to a whole load's time
+        after the job's start, and a scatter beside them can land before they do)."""
         return self.record(self._clock, timed=True)
 
     def record(self, stream: Any, timed: bool = False) -> Any:
@@ -190,7 +186,7 @@ class CudaCopier:
         """``direction`` D2H: every layer's page of ``blocks[i]`` -> ``host_addrs[i]`` (slot layout,
         layer by layer); H2D: the reverse. ``pages``: only the pages ``[lo, hi)`` of each block
         (direct DMA: a gather falls back to it). Returns the CUDA event of completion (``timed``:
-        a timing one, see :meth:`mark`)."""
+        a timing one, see :meth:`now`)."""
         direction = Direction(direction)
         ids = EngineBlocks(np.asarray(blocks, dtype=np.int64))
         host_addrs = np.asarray(host_addrs, dtype=np.int64)
@@ -287,7 +283,7 @@ class CudaCopier:
 
     def issue_h2d(self, src: Addrs, dst: Addrs, unit: int) -> None:
         """``unit``-byte copies pinned host ``src[i]`` -> device ``dst[i]`` on the load stream, by
-        the mechanism whole-block DMAs use (not waited for: :meth:`mark` after them)."""
+        the mechanism whole-block DMAs use (not waited for: :meth:`record` an event after them)."""
         self._dma(src, dst, unit, True, self._dma_mechanism(), self.streams[Direction.H2D])
 
     def _dma_mechanism(self) -> CopyMechanism:
