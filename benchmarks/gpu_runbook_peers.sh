@@ -159,7 +159,11 @@
 #   staged20g 20K, CUDA graphs, STAGED_PASSES passes (default 2): LMCache, kvbm layerwise unstaged and kvbm layerwise
 #             with staged loads (ours_layerwise_unstaged, ours_layerwise_staged; STAGED_SYSTEMS changes the systems;
 #             until the twenty-fifth session the unstaged side was ours_layerwise, which now stages where the
-#             workers have an area), the workers with a staging area of STAGE_MIB (default 1024)
+#             workers have an area), the workers with a staging area of STAGE_MIB (default 1024); STAGED_ARGS go to
+#             the harness (default --warmup-turn since the twenty-seventh session: each pass's first warm request
+#             was its p90 on lease c, and the harness's p90 of 10 warm requests is their largest)
+#   stressstaged  the stress step (no wrong KV, async scheduling, layerwise loads) with a staging area of STAGE_MIB:
+#             fails if no load used a stage
 #   greedystaged  max_tokens=8 outputs with CUDA graphs, kvbm layerwise with staged loads against vLLM alone
 #   upload    does a small upload (or kernel) on another stream wait behind queued copies?
 #             (upload_behind_copies.py: why a stage takes the first layer group only)
@@ -320,7 +324,10 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
             done ;;
     fit20g) peers lmcache,ours_layerwise --passes ${FIT_PASSES:-1} ;;
     staged20g) KVBM_WORKER_ARGS="--stage-mib ${STAGE_MIB:-1024}" peers ${STAGED_SYSTEMS:-lmcache,ours_layerwise_unstaged,ours_layerwise_staged} \
-                 --passes ${STAGED_PASSES:-2} ;;
+                 --passes ${STAGED_PASSES:-2} ${STAGED_ARGS---warmup-turn} ;;
+    stressstaged) python3 -m tests.stress.run --users 12 --turns 3 --gpu 0 --async-scheduling on --block-size 16 \
+              --dtype float32 --load-mode layerwise --stage-mib ${STAGE_MIB:-1024} --passes none --skip-baseline-check \
+              --timeout 240 --work /tmp/sws --out "$R/stress_staged.json" >"$R/stressstaged.log" 2>&1 ;;
     greedystaged) KVBM_WORKER_ARGS="--stage-mib ${STAGE_MIB:-1024}" $T "$R/greedy8_staged_graphs.jsonl" \
                     baseline,ours_layerwise_staged $G8 --cuda-graphs --timeout 600 >"$R/greedystaged.log" 2>&1 ;;
     conc20l) KVBM_G2_GB=48 KVBM_CONNECTOR_TRACE=$R/t20k_conc_light.jsonl $T "$R/ttft20k_conc_light.jsonl" \

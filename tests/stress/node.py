@@ -37,6 +37,8 @@ class NodeConfig:
     g3_blocks: int = 512
     job_timeout_s: float = 30.0
     no_nixl: bool = False
+    #: the worker's staging area (``kvbm-worker --stage-mib``; 0: none, the worker's default)
+    stage_mib: float = 0.0
     log_level: str = "info"
     #: the worker's test-only faults, ``(NAME, value)`` for ``KVBM_FAULT_<NAME>`` (tests/support/faults)
     faults: tuple[tuple[str, str], ...] = ()
@@ -46,6 +48,11 @@ class NodeConfig:
     src: str = os.environ.get("KVBM_STRESS_SRC", "")
     #: further node settings, ``(DYN_KVBM_NAME, value)`` (e.g. a policy knob under test)
     settings: tuple[tuple[str, str], ...] = ()
+
+    def worker_args(self) -> list[str]:
+        """The worker's command-line flags this configuration asks for."""
+        return (["--no-nixl"] if self.no_nixl else []) + (
+            ["--stage-mib", f"{self.stage_mib:g}"] if self.stage_mib else [])
 
     def env(self, root: Path) -> dict[str, str]:
         overrides: dict[str, object] = {
@@ -75,7 +82,7 @@ class StressNode:
         (self.root / "disk").mkdir(parents=True, exist_ok=True)
         gpus = None if self.config.gpu is None else [self.config.gpu]
         self.local = LocalNode(self.config.env(self.root), 1, gpus=gpus, log_dir=self.root,
-                               worker_args=["--no-nixl"] if self.config.no_nixl else [],
+                               worker_args=self.config.worker_args(),
                                cwd=Path(self.config.src) if self.config.src else REPO)
 
     @property

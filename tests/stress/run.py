@@ -58,6 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     n.add_argument("--g3-blocks", type=int, default=512)
     n.add_argument("--job-timeout", type=float, default=5.0, help="DYN_KVBM_JOB_TIMEOUT_SECS of the fault passes")
     n.add_argument("--no-nixl", action="store_true")
+    n.add_argument("--stage-mib", type=float, default=0.0, metavar="MIB",
+                   help="the worker's staging area (kvbm-worker --stage-mib; GPU only): a layerwise load's "
+                        "first layer group is copied there as soon as it is matched [default: 0, none]")
     n.add_argument("--node-env", action="append", default=[], metavar="DYN_KVBM_NAME=VALUE",
                    help="a further node setting (repeatable), e.g. DYN_KVBM_STORE_DEMOTION_MB=0")
     n.add_argument("--gpu", type=int, default=None, help="the worker serves this CUDA device (GPU engine)")
@@ -118,6 +121,18 @@ def fault_of(name: str, args) -> list[Fault]:
     raise SystemExit(f"unknown pass {name!r}; one of {', '.join(PASSES)}")
 
 
+def unstaged_error(outcome: dict) -> str | None:
+    """A pass run with a staging area proves nothing about staged loads unless one was used (the
+    worker's ``staged_loads_used``; not judged when the worker restarted: its counters began again)."""
+    worker = outcome.get("worker", {})
+    if "error" in worker or outcome.get("restarts", {}).get("worker"):
+        return None
+    if not worker.get("staged_loads_used"):
+        return (f"--stage-mib was set but no load used a stage (the worker staged {worker.get('loads_staged', 0):g} "
+                "and used none)")
+    return None
+
+
 def mid_load_error(outcome: dict) -> str | None:
     """A kill-mid-load pass proves nothing unless the kill struck and the engine saw a load fail."""
     if outcome.get("fault_errors"):
@@ -159,7 +174,7 @@ def main(argv=None) -> int:
     failed = bool(result.get("baseline_stability", {}).get("differing"))
     for name, faults in passes:
         node = NodeConfig(g2_blocks=args.g2_blocks, g3_blocks=args.g3_blocks, no_nixl=args.no_nixl,
-                          job_timeout_s=30.0 if name == "none" else args.job_timeout,
+                          stage_mib=args.stage_mib, job_timeout_s=30.0 if name == "none" else args.job_timeout,
                           log_level="debug" if args.debug else "info", src=args.kvbm_src, gpu=args.gpu,
                           settings=settings)
         try:
@@ -168,6 +183,8 @@ def main(argv=None) -> int:
         except EngineFailed as exc:
             outcome = {"name": name, "error": str(exc)}
         if name == "kill-mid-load" and not outcome.get("error") and (error := mid_load_error(outcome)):
+            outcome["error"] = error
+        if args.stage_mib and not outcome.get("error") and (error := unstaged_error(outcome)):
             outcome["error"] = error
         failed |= bool(outcome.get("error") or outcome.get("differing_count"))
         result["passes"].append(outcome)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from .faults import FaultKind
-from .run import fault_of, mid_load_error, parse_args
+from .node import NodeConfig
+from .run import fault_of, mid_load_error, parse_args, unstaged_error
 
 
 def test_kill_mid_load_needs_layerwise_loads():
@@ -35,3 +36,14 @@ def test_a_kill_that_hit_no_load_proves_nothing():
 def test_unknown_passes_are_refused():
     with pytest.raises(SystemExit, match="unknown pass"):
         fault_of("kill-everything", parse_args([]))
+
+
+def test_a_staging_area_reaches_the_worker_and_must_be_used():
+    args = parse_args(["--stage-mib", "512", "--no-nixl"])
+    assert NodeConfig(stage_mib=args.stage_mib, no_nixl=args.no_nixl).worker_args() == \
+        ["--no-nixl", "--stage-mib", "512"]
+    assert NodeConfig().worker_args() == []
+    assert "no load used a stage" in unstaged_error({"worker": {"loads_staged": 3, "staged_loads_used": 0}})
+    assert unstaged_error({"worker": {"loads_staged": 3, "staged_loads_used": 2}}) is None
+    assert unstaged_error({"worker": {"staged_loads_used": 0}, "restarts": {"worker": 1}}) is None
+    assert unstaged_error({"worker": {"error": "gone"}}) is None
