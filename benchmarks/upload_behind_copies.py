@@ -12,15 +12,23 @@ waits for its index upload (``kvbm_worker/handlers/cuda_stage.py``), issued afte
 copy. This times, on the GPU's clock from the first queued copy: the end of the queued copies, and
 an upload of ``n`` int64 indices issued ``--after-ms`` later on another stream, three ways:
 ``pinned`` (``pin_memory().to(non_blocking=True)``, as the stage does), ``pageable`` (a plain
-``.to()`` from pageable memory) and ``kernel`` (the indices read from mapped pinned memory by a
-copy kernel, which needs no copy engine); and ``compute``, a kernel that reads no host memory
-(``torch.arange`` on the device: does any work on another stream wait behind the copies?).
-Medians over ``--reps``.
+``.to()`` from pageable memory) and ``kernel`` (the pinned buffer seen at its own address through
+``__cuda_array_interface__`` and cloned; NOTE: a clone of a contiguous tensor is a
+``cudaMemcpyAsync``, so this too is copy-engine work, not an SM read of mapped memory as first
+meant); and ``compute``, a kernel that reads no host memory (``torch.arange`` on the device: does
+any work on another stream wait behind the copies?). Medians over ``--reps``.
 
 H200 "e" (twenty-sixth session, ``results/upload_behind_copies_h200_2026-11-28e.json``, before
 ``compute`` existed): every upload landed with the copies' end (53.65 / 53.76 / 53.74 ms against
-53.64 / 53.76 / 53.73); the ``kernel`` way goes through ``torch.as_tensor`` on a host address,
-which may synchronise by itself.
+53.64 / 53.76 / 53.73).
+H100 "f" (twenty-seventh session, ``results/upload_behind_copies_h100_2026-11-28f.json``): the
+``compute`` kernel ran beside the copies (it ended 5.79 ms after the first, against 53.96 ms for
+the copies); ``pinned``, ``pageable`` and ``kernel`` each ended with the copies (54.00 / 53.99 /
+53.91 against 53.99 / 53.98 / 53.90). So only copy-engine work waits behind queued copies; a
+scatter given its indices without a copy (as a kernel's parameters) would not. Not pursued: a
+staged load keeps the host link busy from the stage's arrival to its last group (56.4 ms for a
+20K hit's 2.97 GB on that lease, 52.8 GB/s against one memcpy's 54.8), so staging more groups
+could not land the last one sooner (``kvbm_worker/stages.py``, ``MAX_STAGED_GROUPS``).
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import signal
 import sys
 import time
 from types import FrameType
-from typing import Callable
+from typing import Callable, Sequence
 
 import grpc
 
@@ -23,6 +23,7 @@ from .contract import pb
 from .errors import KvbmConfigError
 from .ids import Tier
 from .local_node import STOP_TIMEOUT, Daemon, LocalNode, leader_status, worker_status
+from .sizing import MAX_STAGE_MIB, stage_bytes
 
 class Supervisor:
     """``kvbm serve``'s restart policy over a :class:`LocalNode`: a daemon that exits while the
@@ -30,12 +31,12 @@ class Supervisor:
     stopping (workers first, then the leader) are the node's."""
 
     def __init__(self, config: KvbmConfig, num_workers: int, extra_env: dict[str, str], debug: bool,
-                 gpus: list[int] | None = None) -> None:
+                 gpus: list[int] | None = None, worker_args: Sequence[str] = ()) -> None:
         env = {**os.environ, **config_to_env(config), **extra_env}
         if debug:
             env["DYN_LOG"] = "debug"
         # One worker per GPU (worker i serves device gpus[i], rank i), or CPU workers.
-        self.node = LocalNode(env, num_workers, gpus=gpus, detach=True)
+        self.node = LocalNode(env, num_workers, gpus=gpus, detach=True, worker_args=worker_args)
         self.restarts: dict[str, int] = {}
         self.due: dict[str, float] = {}  # daemon name -> when to start it again
         self.stopping = False
@@ -89,6 +90,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
         config.require_tier()
+        worker_args = ["--stage-mib", f"{args.stage_mib:g}"] if stage_bytes(args.stage_mib) else []
     except KvbmConfigError as exc:
         print(f"kvbm serve: {exc}", file=sys.stderr)
         return 2
@@ -97,7 +99,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError:
         print(f"kvbm serve: --gpus wants comma-separated device ordinals, got {args.gpus!r}", file=sys.stderr)
         return 2
-    sup = Supervisor(config, args.workers, {}, args.debug, gpus)
+    sup = Supervisor(config, args.workers, {}, args.debug, gpus, worker_args)
     expected_workers = len(sup.workers)
     stop: dict[str, int | None] = {"signal": None}
 
@@ -194,6 +196,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--gpus", default=None, metavar="0,1,...",
                        help="CUDA devices, one worker daemon each (rank = position in the list); "
                             "replaces --workers")
+    serve.add_argument("--stage-mib", type=float, default=0.0, metavar="MIB",
+                       help="each worker's staging area (kvbm-worker --stage-mib; on the GPU with --gpus, memory "
+                            "outside the engine's budget): a layerwise load's first layer group is copied there "
+                            "at the lookup, before the engine allocated its blocks. 20K tokens of a Qwen3-4B-sized "
+                            "model: 1024 (warm TTFT 72.9 against 81.3 ms without, H100, CUDA graphs) "
+                            f"[default 0: none, max {MAX_STAGE_MIB}]")
     serve.add_argument("--debug", action="store_true", help="DYN_LOG=debug for the daemons")
     add_config_arguments(serve)
     serve.set_defaults(func=cmd_serve)

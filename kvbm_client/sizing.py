@@ -13,6 +13,10 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .config import KvbmConfig
+from .errors import KvbmConfigError
+
+#: The largest staging area a worker takes (``kvbm-worker --stage-mib``, ``kvbm serve --stage-mib``).
+MAX_STAGE_MIB = 64 << 10
 
 #: Alignment of a worker's slot stride (O_DIRECT wants 4 KiB-aligned offsets and lengths).
 SLOT_ALIGN = 4096
@@ -20,6 +24,13 @@ SLOT_ALIGN = 4096
 
 def align_up(n: int, alignment: int = SLOT_ALIGN) -> int:
     return (n + alignment - 1) // alignment * alignment
+
+
+def stage_bytes(mib: float) -> int:
+    """A staging area's bytes for ``--stage-mib`` (0: none), or :class:`KvbmConfigError`."""
+    if not 0 <= mib <= MAX_STAGE_MIB:
+        raise KvbmConfigError(f"--stage-mib must be in [0, {MAX_STAGE_MIB}], got {mib:g}")
+    return int(mib * (1 << 20))
 
 
 def slot_bytes(shard_bytes: int) -> int:

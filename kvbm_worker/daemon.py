@@ -32,6 +32,7 @@ from kvbm_client.ids import WorkerId
 from kvbm_client.logs import log_loop_stalls, setup_logging
 from kvbm_client.security import wait_node_key
 from kvbm_client.serving import make_server, start_server
+from kvbm_client.sizing import stage_bytes
 
 from .allocation import DataPath
 from .cluster import WorkerCluster
@@ -41,7 +42,7 @@ from .handlers.issuers import ISSUE_THREADS, MAX_ISSUE_THREADS, MAX_SPLIT_MIN_CO
 from .leader_link import LeaderLink
 from .loads_first import MAX_STORE_YIELD_MS, STORE_YIELD_MS
 from .service import WorkerService
-from .stages import MAX_STAGE_MIB, STAGE_HOLD_S
+from .stages import STAGE_HOLD_S
 
 log = logging.getLogger("kvbm.worker")
 
@@ -246,12 +247,10 @@ def data_path(args: argparse.Namespace) -> DataPath:
         raise KvbmConfigError(f"--store-yield-ms must be in [0, {MAX_STORE_YIELD_MS:g}]")
     if not 0 < args.switch_interval_ms <= 1000:
         raise KvbmConfigError("--switch-interval-ms must be in (0, 1000]")
-    if not 0 <= args.stage_mib <= MAX_STAGE_MIB:
-        raise KvbmConfigError(f"--stage-mib must be in [0, {MAX_STAGE_MIB}]")
     pacing = GroupPacing(int(args.load_piece_mb * (1 << 20)), args.load_ahead, GroupShape(args.load_group_shape))
     return DataPath(gpu=args.gpu, cuda_copy=mechanism, prefer_nixl=not args.no_nixl, pacing=pacing,
                     issue_threads=args.issue_threads, issue_split_copies=args.issue_split_copies,
-                    store_yield_ms=args.store_yield_ms, stage_bytes=int(args.stage_mib * (1 << 20)))
+                    store_yield_ms=args.store_yield_ms, stage_bytes=stage_bytes(args.stage_mib))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,7 +42,7 @@ def test_dashboard_shows_every_seed_metric():
 
 
 def test_env_file_names_only_known_variables():
-    known = {o.env for o in OPTIONS} | {"KVBM_NUM_WORKERS", "KVBM_LEADER_ARGS"}
+    known = {o.env for o in OPTIONS} | {"KVBM_NUM_WORKERS", "KVBM_LEADER_ARGS", "KVBM_WORKER_ARGS"}
     for line in (DEPLOY / "kvbm.env").read_text().splitlines():
         if line.strip() and not line.startswith("#"):
             assert line.split("=", 1)[0] in known, line
@@ -58,6 +58,8 @@ def test_systemd_units(unit, tmp_path):
     assert parser["Service"]["EnvironmentFile"] == "/etc/kvbm/kvbm.env"
     assert parser["Service"]["Restart"] == "on-failure"
     assert parser["Service"]["ExecStart"].split()[0].endswith("kvbm-leader" if "leader" in unit else "kvbm-worker")
+    # the extra arguments of kvbm.env (e.g. the worker's --stage-mib), split into words by systemd
+    assert parser["Service"]["ExecStart"].split()[-1] == ("$KVBM_LEADER_ARGS" if "leader" in unit else "$KVBM_WORKER_ARGS")
     if shutil.which("systemd-analyze"):
         # The binaries live in /opt/kvbm on a real host; check the unit's syntax only.
         text = path.read_text().replace("/opt/kvbm/.venv/bin/", "/bin/true # ")

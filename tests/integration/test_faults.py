@@ -1,6 +1,7 @@
 """Faults and lifecycle with real processes: kill -9, clean shutdown, kvbm serve, barrier."""
 from __future__ import annotations
 
+import json
 import os
 import queue
 import signal
@@ -188,8 +189,8 @@ def test_kvbm_serve_runs_and_stops_cleanly(tmp_path):
     env.update(DYN_KVBM_SOCKET_DIR=str(tmp_path / "s"), DYN_KVBM_DISK_CACHE_DIR=str(tmp_path / "d"),
                DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS="16", DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS="16",
                PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "kvbm_client.cli", "serve", "--workers", "2"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "kvbm_client.cli", "serve", "--workers", "2", "--stage-mib", "4"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out = Lines(proc.stdout)
     try:
         assert out.wait_for(lambda line: line.startswith("kvbm serving"), 30), "".join(out.seen)
@@ -205,6 +206,12 @@ def test_kvbm_serve_runs_and_stops_cleanly(tmp_path):
             status = subprocess.run([sys.executable, "-m", "kvbm_client.cli", "status"], env=env,
                                     capture_output=True, text=True, timeout=30)
             assert "ready" in status.stdout and "worker 1 rank 1" in status.stdout, status.stdout + status.stderr
+            as_json = subprocess.run([sys.executable, "-m", "kvbm_client.cli", "status", "--json"], env=env,
+                                     capture_output=True, text=True, timeout=30)
+            from kvbm_client.local_node import worker_status
+            areas = [worker_status(w["endpoint"], timeout=5, config=cfg).info.stage_bytes
+                     for w in json.loads(as_json.stdout)["workers"]]
+            assert areas == [4 << 20] * 2  # --stage-mib 4 reached both workers
             assert len(list((tmp_path / "d").glob("kvbm-disk-cache-*"))) == 2
             for b in bufs:
                 b.close()

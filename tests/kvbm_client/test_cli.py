@@ -33,6 +33,19 @@ def test_serve_rejects_bad_gpu_list(capsys) -> None:
     assert "--gpus wants comma-separated device ordinals" in capsys.readouterr().err
 
 
+def test_a_staging_area_reaches_every_worker() -> None:
+    sup = Supervisor(KvbmConfig(cpu_cache_gb=1), 1, {}, False, gpus=[0, 1], worker_args=["--stage-mib", "1024"])
+    assert [argv_tail(w) for w in sup.workers] == [
+        ["kvbm_worker", "--worker-id", "0", "--gpu", "0", "--stage-mib", "1024"],
+        ["kvbm_worker", "--worker-id", "1", "--gpu", "1", "--stage-mib", "1024"]]
+
+
+def test_serve_refuses_a_staging_area_out_of_bounds(capsys) -> None:
+    args = build_parser().parse_args(["serve", "--stage-mib", "1e9", "--cpu-cache-gb", "1"])
+    assert args.func(args) == 2
+    assert "--stage-mib must be in [0, 65536], got 1e+09" in capsys.readouterr().err
+
+
 def test_serve_without_a_tier_explains(capsys, monkeypatch) -> None:
     for var in ("DYN_KVBM_CPU_CACHE_GB", "DYN_KVBM_DISK_CACHE_GB", "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS",
                 "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS"):
@@ -78,7 +91,7 @@ def explained(help_text: str) -> tuple[set[str], dict[str, str]]:
 
 @pytest.mark.parametrize("argv, expected", [
     (["--help"], {"serve", "status", "doctor"}),
-    (["serve", "--help"], {"--workers", "--gpus", "--debug", *(flag(o) for o in OPTIONS)}),
+    (["serve", "--help"], {"--workers", "--gpus", "--stage-mib", "--debug", *(flag(o) for o in OPTIONS)}),
     (["status", "--help"], {"--leader", "--json", "--socket-dir", "--leader-address"}),
 ])
 def test_help_explains_every_subcommand_and_option(argv, expected, capsys, monkeypatch) -> None:
