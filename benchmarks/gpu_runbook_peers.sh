@@ -61,7 +61,10 @@
 #   stresstail / greedytail  stresslazy / greedylazy with gpu_layer_waits tail
 #   proof20 / proof8 / proof20g / proof8g  issue 13's proof: native, LMCache, Dynamo, kvbm (its default; until
 #             the tenth session also ours_layerwise_tail beside the then default)
-#             in one run, 2 passes (graphs: vLLM alone too, the cold target's reference)
+#             in one run, 2 passes (graphs: vLLM alone too, the cold target's reference); since the
+#             twenty-seventh session the workers have a staging area of PROOF_STAGE_MIB (default 1024; 0:
+#             none), so kvbm layerwise stages its loads, and every system is warmed on a warm turn first
+#             (PROOF_ARGS, default --warmup-turn); PROOF_SYSTEMS changes the systems
 #   cold20 / cold20g  the cold target (no hit within 2 % of vLLM alone): vLLM alone (baseline), kvbm with
 #             each step's PrepareStore on the scheduler's thread (ours_layerwise_syncstore, the behaviour until
 #             the eleventh session), kvbm's default (big steps' store plans asked for off that thread) and
@@ -252,18 +255,19 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
     waits8) KVBM_CONNECTOR_TRACE=$R/t8k_waits.jsonl $T "$R/ttft8k_waits.jsonl" \
                lmcache,dynamo,ours_layerwise,ours_layerwise_cpuwait $H --timeout 300 --passes 2 >"$R/waits8.log" 2>&1 ;;
     lazy20|lazy8|lazy20g|lazy8g|tail20|tail8|tail20g|tail8g|proof20|proof8|proof20g|proof8g)
-              P=${s%%[0-9]*}; W=${s#$P}; X=""; F=$P; S=""; O="--timeout 300"
+              P=${s%%[0-9]*}; W=${s#$P}; X=""; F=$P; S=""; O="--timeout 300"; E=""; V=${KVBM_WORKER_ARGS:-}
               case $P in
                 lazy) Y=lmcache_timed,ours_layerwise,ours_layerwise_gpuwait ;;
                 tail) Y=lmcache_timed,ours_layerwise_eager,ours_layerwise ;;  # (tail is the default)
-                proof) Y=native,lmcache,dynamo,ours_layerwise ;;
+                proof) Y=${PROOF_SYSTEMS:-native,lmcache,dynamo,ours_layerwise}; E=${PROOF_ARGS---warmup-turn}
+                       [ "${PROOF_STAGE_MIB:-1024}" = 0 ] || V="--stage-mib ${PROOF_STAGE_MIB:-1024}" ;;
               esac
               if [ "${W%g}" != "$W" ]; then  # graphs; vLLM alone beside them, but not in the tail A/B
                 W=${W%g}; F=${P}g; O="--timeout 600 --cuda-graphs"; [ $P = tail ] || S=baseline,
               fi
               [ "$W" = 20 ] && X="$A20"
-              KVBM_CONNECTOR_TRACE=$R/t${W}k_$F.jsonl $T "$R/ttft${W}k_$F.jsonl" \
-                $S$Y $X $H $O --passes 2 >"$R/$s.log" 2>&1 ;;
+              KVBM_WORKER_ARGS="$V" KVBM_CONNECTOR_TRACE=$R/t${W}k_$F.jsonl $T "$R/ttft${W}k_$F.jsonl" \
+                $S$Y $X $H $O $E --passes 2 >"$R/$s.log" 2>&1 ;;
     cold20|cold20g) O="--timeout 300"; [ $s = cold20g ] && O="--timeout 600 --cuda-graphs"
               KVBM_CONNECTOR_TRACE=$R/t20k_$s.jsonl $T "$R/ttft20k_$s.jsonl" \
                 baseline,ours_layerwise_syncstore,ours_layerwise,ours_layerwise_perlayer $A20 $H $O --passes 2 \
