@@ -56,7 +56,12 @@ class CudaStage:
         import torch
         self.copier = copier
         self.device = copier.device
-        self.area = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{self.device}")
+        try:
+            self.area = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{self.device}")
+        except torch.OutOfMemoryError as exc:  # the operator's flag, named: not only torch's sizes
+            raise MemoryError(f"the staging area (--stage-mib {nbytes / (1 << 20):g}) does not fit in cuda:"
+                              f"{self.device}'s free memory; give a smaller --stage-mib, or 0 for none "
+                              f"({str(exc).splitlines()[0]})") from exc
         stream: Any = torch.cuda.Stream  # (untyped constructor)
         self._uploads = stream(device=self.device)
         self._scatters = stream(device=self.device)

@@ -217,3 +217,16 @@ def test_stores_give_up_the_interpreter_lock_and_short_loads_keep_it():
     finally:
         pinned.close()
         host.close()
+
+
+def test_a_staging_area_that_does_not_fit_names_the_flag():
+    from kvbm_worker.handlers.cuda_stage import CudaStage
+    pinned = PinnedHost(0)
+    copier = CudaCopier(0, pinned)
+    try:
+        too_big = torch.cuda.get_device_properties(0).total_memory + (1 << 30)
+        with pytest.raises(MemoryError, match=r"staging area \(--stage-mib [0-9.]+\) does not fit in cuda:0"):
+            CudaStage(copier, too_big)
+    finally:
+        copier.close()
+        pinned.close()
