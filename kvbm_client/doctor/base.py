@@ -90,6 +90,7 @@ class DoctorOptions:
     layout: LayoutArg | None = None
     bench_disk: bool = False
     bench_h2d: bool = False
+    stage_bytes: int = 0  # each worker's staging area (--stage-mib), 0: none
     timeout_s: float = 1.5  # per network probe (etcd, NATS, leader, each worker)
     shm_dir: str = "/dev/shm"  # NOTE: the vLLM connector's CPU KV cache always lives there
 

@@ -10,9 +10,11 @@ import argparse
 import os
 import shutil
 import sys
+from dataclasses import replace
 
 from ..config import add_config_arguments, config_from_args
 from ..errors import KvbmConfigError
+from ..sizing import stage_bytes
 from .base import DoctorContext, DoctorOptions, LayoutArg
 
 DESCRIPTION = ("Check this node before (or while) it serves: configuration and sizes, the G3 disk "
@@ -48,6 +50,9 @@ def add_doctor_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     doctor.add_argument("--bench-disk", action="store_true",
                         help="also measure write and read throughput of the G3 directory (a few seconds)")
     doctor.add_argument("--bench-h2d", action="store_true", help="also measure pinned H2D bandwidth (a second)")
+    doctor.add_argument("--stage-mib", type=float, default=0.0, metavar="MIB",
+                        help="each worker's staging area, as for kvbm serve: with --gpus, check that it fits each "
+                             "GPU's free memory beside vLLM [default 0: none]")
     doctor.add_argument("--timeout", type=float, default=1.5, help="seconds per network probe [default 1.5]")
     add_config_arguments(doctor)
     doctor.set_defaults(func=cmd_doctor)
@@ -59,6 +64,7 @@ def context_from_args(args: argparse.Namespace) -> DoctorContext:
     options = DoctorOptions(workers=args.workers, gpus=tuple(args.gpus), layout=args.layout,
                             bench_disk=args.bench_disk, bench_h2d=args.bench_h2d, timeout_s=args.timeout)
     try:
+        options = replace(options, stage_bytes=stage_bytes(args.stage_mib))
         return DoctorContext(config_from_args(args), options=options)
     except KvbmConfigError as exc:
         return DoctorContext(None, str(exc), options=options)

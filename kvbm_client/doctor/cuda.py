@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from .base import Check, CheckResult, DoctorContext, fail, info, ok, skip
+from .base import Check, CheckResult, DoctorContext, Status, fail, info, ok, skip, warn
 from .cudart import CudaCallError, check, runtime
 
 DRIVER_FILES = ("/dev/nvidiactl", "/proc/driver/nvidia/version")
@@ -32,6 +32,8 @@ IPC_HANDLE_BYTES = 64
 IPC_CHILD_TIMEOUT_S = 60.0
 BENCH_BYTES = 256 << 20
 BENCH_SECONDS = 1.0
+#: vLLM's default ``gpu_memory_utilization``: the share of a GPU's memory vLLM wants free at its start
+VLLM_GPU_MEMORY_UTILIZATION = 0.9
 
 
 def _device(ctx: DoctorContext) -> int:
@@ -228,9 +230,46 @@ def check_bench_h2d(ctx: DoctorContext) -> CheckResult:
     return info(f"pinned H2D {gbps:.1f} GB/s ({copies} copies of {BENCH_BYTES >> 20} MiB)", h2d_gbps=round(gbps, 2))
 
 
+def stage_verdict(device: int, area: int, free: int, total: int,
+                  utilization: float = VLLM_GPU_MEMORY_UTILIZATION) -> CheckResult:
+    """Whether a worker's staging area of ``area`` bytes fits GPU ``device`` (``free`` of ``total``
+    bytes free now), and leaves vLLM the free memory it wants at its start (``utilization`` × total)."""
+    gib = 1 << 30
+    left, wanted = free - area, utilization * total
+    text = (f"cuda:{device}: a {area / (1 << 20):g} MiB staging area, {free / gib:.1f} of {total / gib:.1f} GiB free")
+    data = {"device": device, "area_bytes": area, "free_bytes": free, "total_bytes": total}
+    if left < 0:
+        return fail(f"{text}: it does not fit", "give a smaller --stage-mib (or 0: none), or free the GPU", **data)
+    if left < wanted:
+        most = int(left / total * 100) / 100
+        return warn(f"{text}: {left / gib:.1f} GiB would remain, and vLLM at gpu_memory_utilization {utilization:g} "
+                    f"wants {wanted / gib:.1f} GiB free at its start",
+                    f"lower --stage-mib, or start vLLM with --gpu-memory-utilization {most:.2f} or less", **data)
+    return ok(f"{text}; {left / gib:.1f} GiB remain (vLLM at gpu_memory_utilization {utilization:g} wants "
+              f"{wanted / gib:.1f})", **data)
+
+
+def check_stage_area(ctx: DoctorContext) -> CheckResult:
+    """``--stage-mib`` with ``--gpus``: the area fits each GPU beside vLLM (:func:`stage_verdict`;
+    the worst device's verdict)."""
+    if not ctx.options.gpus:
+        return skip("no --gpus: a CPU worker's staging area is host memory")
+    rt, _count, result = load_runtime(ctx)
+    if rt is None:
+        return result
+    verdicts = []
+    for device in ctx.options.gpus:
+        check(rt.cudaSetDevice(device), "cudaSetDevice")
+        free, total = check(rt.cudaMemGetInfo(), "cudaMemGetInfo")
+        verdicts.append(stage_verdict(device, ctx.options.stage_bytes, int(free), int(total)))
+    worst = (Status.OK, Status.WARN, Status.FAIL)
+    return max(verdicts, key=lambda r: worst.index(r.status))
+
+
 CHECKS = (
     Check("cuda", "devices", check_devices, needs_config=False),
     Check("cuda", "pinned", check_pinned, needs_config=False),
     Check("cuda", "ipc", check_ipc, needs_config=False),
     Check("cuda", "bench_h2d", check_bench_h2d, needs_config=False, option="bench_h2d"),
+    Check("cuda", "stage", check_stage_area, needs_config=False, option="stage_bytes"),
 )

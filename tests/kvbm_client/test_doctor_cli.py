@@ -104,6 +104,14 @@ def test_command_exit_1_on_a_config_that_does_not_parse(tmp_path: Path) -> None:
     assert "FAIL" in line and "DYN_KVBM_CPU_CACHE_GB='lots'" in line
 
 
+def test_a_staging_area_out_of_bounds_fails_the_configuration(tmp_path: Path) -> None:
+    done = doctor(tmp_path, "--json", "--stage-mib", "1e9", DYN_KVBM_CPU_CACHE_GB="0.1")
+    checks = by_id(json.loads(done.stdout))
+    assert done.returncode == 1
+    assert checks["config.parse"]["status"] == "fail"
+    assert "--stage-mib must be in [0, 65536]" in checks["config.parse"]["message"]
+
+
 def test_command_flags_override_the_environment(tmp_path: Path) -> None:
     done = doctor(tmp_path, "--json", "--cpu-cache-gb", "0.1", "--layout", "4:4096:2", DYN_KVBM_CPU_CACHE_GB="5")
     checks = by_id(json.loads(done.stdout))

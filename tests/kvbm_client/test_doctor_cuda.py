@@ -103,3 +103,34 @@ def test_ipc_child_refuses_a_handle_that_was_never_exported() -> None:
 def test_bench_h2d() -> None:
     result = cuda.check_bench_h2d(ctx_of(DoctorOptions(gpus=(0,), bench_h2d=True)))
     assert result.status is Status.INFO and result.data["h2d_gbps"] > 1
+
+
+def test_a_staging_area_must_fit_the_gpu_beside_vllm() -> None:
+    gib = 1 << 30
+    fits = cuda.stage_verdict(0, 1 << 30, 79 * gib, 80 * gib)
+    assert fits.status is Status.OK and "1024 MiB staging area" in fits.message and "78.0 GiB remain" in fits.message
+    tight = cuda.stage_verdict(1, 8 * gib, 79 * gib, 80 * gib)  # 71 GiB left, vLLM's default wants 72
+    assert tight.status is Status.WARN and "wants 72.0 GiB free" in tight.message
+    assert tight.remedy == "lower --stage-mib, or start vLLM with --gpu-memory-utilization 0.88 or less"
+    too_big = cuda.stage_verdict(0, 81 * gib, 79 * gib, 80 * gib)
+    assert too_big.status is Status.FAIL and too_big.message.endswith("it does not fit")
+
+
+def test_the_staging_area_check_runs_only_when_asked_and_only_for_gpus() -> None:
+    assert cuda.check_stage_area(ctx_of(DoctorOptions(stage_bytes=1 << 30))).status is Status.SKIP
+    from kvbm_client.doctor import ALL_CHECKS
+    (stage,) = [c for c in ALL_CHECKS if c.id == "cuda.stage"]
+    assert stage.option == "stage_bytes" and not DoctorOptions().stage_bytes
+
+
+@no_gpu
+def test_the_staging_area_check_without_cuda_fails_for_gpus() -> None:
+    result = cuda.check_stage_area(ctx_of(DoctorOptions(gpus=(0,), stage_bytes=1 << 30)))
+    assert result.status is Status.FAIL and "but --gpus asks for GPU workers" in result.message
+
+
+@gpu
+def test_the_staging_area_check_on_a_gpu() -> None:
+    assert cuda.check_stage_area(ctx_of(DoctorOptions(gpus=(0,), stage_bytes=1 << 30))).status is Status.OK
+    huge = cuda.check_stage_area(ctx_of(DoctorOptions(gpus=(0,), stage_bytes=1 << 50)))
+    assert huge.status is Status.FAIL
