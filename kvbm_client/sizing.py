@@ -5,7 +5,8 @@ Pure arithmetic. A slot holds one worker's shard of one logical block (every lay
 rounded up to :data:`SLOT_ALIGN` so every slot is O_DIRECT-aligned. Pools are sized as Dynamo
 sizes them, but over the bytes a block really *takes*: ``slots = GB * 1e9 // (sum over the
 node's workers of slot bytes)``, or the ``*_OVERRIDE_NUM_BLOCKS`` setting. (Counting the
-unaligned shard instead once let a tiny layout grow G2 4096-fold.)
+unaligned shard instead once let a tiny layout grow G2 4096-fold.) A worker's staging area
+(``--stage-mib``) is bounded here too, for the worker, ``kvbm serve`` and ``kvbm doctor`` alike.
 """
 from __future__ import annotations
 
