@@ -21,7 +21,8 @@
 #   graphs8   8K, CUDA graphs: LMCache, kvbm layerwise; 2 passes
 #   copy      g2_copy_path.py per kind of G2 memory (2026-11-25 third session)
 #   gputests  tests/gpu/test_cuda_copier.py and test_daemon_gpu.py (every copy mechanism's bytes, CUDA IPC
-#             loads, the signal page's GPU waits and stream writes)
+#             loads, the signal page's GPU waits and stream writes), and kvbm doctor's CUDA checks
+#             (tests/kvbm_client/test_doctor_cuda.py, since the twenty-seventh session)
 #   issue20   20K, eager, 2 passes, each: LMCache and kvbm layerwise (the worker's default copy issue:
 #             --cuda-copy auto = direct) in one harness run, then kvbm layerwise with --cuda-copy batch
 #             (cuda-python, as before 2026-11-26's seventh session) in another; ttft20k_issue_{direct,batch}_pP
@@ -219,7 +220,7 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
   case $s in
     gap) for g in 0 0.5; do python3 benchmarks/g2_copy_path.py --kinds shared --gap-s $g \
            --json "$R/g2_copy_gap$g.json" >>"$R/gap.log" 2>&1; done ;;
-    gputests) python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_copier.py tests/gpu/test_daemon_gpu.py \
+    gputests) python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_copier.py tests/gpu/test_daemon_gpu.py tests/kvbm_client/test_doctor_cuda.py \
                 >"$R/gpu_tests.txt" 2>&1 ;;
     upload) timeout 120 python3 benchmarks/upload_behind_copies.py --json "$R/upload_behind_copies.json" \
               >"$R/upload.log" 2>&1 ;;
