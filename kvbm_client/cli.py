@@ -137,6 +137,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _staging(worker: "pb.WorkerInfo", config: KvbmConfig) -> str:
+    """A worker's staging area and its use, from the worker itself ("" without an area, or when
+    it does not answer: its state line says enough)."""
+    try:
+        own = worker_status(worker.endpoint, timeout=1.0, config=config)
+    except grpc.RpcError:
+        return ""
+    if not own.info.stage_bytes:
+        return ""
+    c = own.counters
+    return (f"staging area {_fmt_bytes(own.info.stage_bytes)} (--stage-mib): {c.get('loads_staged', 0):.0f} loads "
+            f"staged, {c.get('staged_loads_used', 0):.0f} used")
+
+
 def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
@@ -175,6 +189,8 @@ def cmd_status(args: argparse.Namespace) -> int:
               f"G2 {_fmt_bytes(w.host_bytes)}, G3 {_fmt_bytes(w.disk_bytes)}; {w.endpoint}")
         if w.error:
             print(f"    pools failed: {w.error}")
+        if w.state == "ready" and (staging := _staging(w, config)):
+            print(f"    {staging}")
     c = status.counters
     print("  offload d2h {:.0f}, h2d {:.0f}, d2d {:.0f}; onboard h2d {:.0f}, d2d {:.0f}; matched tokens {:.0f}".format(
         c.get("kvbm_offload_blocks_d2h", 0), c.get("kvbm_offload_blocks_h2d", 0), c.get("kvbm_offload_blocks_d2d", 0),

@@ -206,6 +206,8 @@ def test_kvbm_serve_runs_and_stops_cleanly(tmp_path):
             status = subprocess.run([sys.executable, "-m", "kvbm_client.cli", "status"], env=env,
                                     capture_output=True, text=True, timeout=30)
             assert "ready" in status.stdout and "worker 1 rank 1" in status.stdout, status.stdout + status.stderr
+            assert status.stdout.count("staging area 4.0 MiB (--stage-mib): 0 loads staged, 0 used") == 2, \
+                status.stdout
             as_json = subprocess.run([sys.executable, "-m", "kvbm_client.cli", "status", "--json"], env=env,
                                      capture_output=True, text=True, timeout=30)
             from kvbm_client.local_node import worker_status
