@@ -204,6 +204,10 @@ class PoolAllocator:
     def _mover(self, host: HostPool | None, disk: DiskPool | None, disk_io: TimedDiskIO | None,
                progress: AllocationProgress) -> BlockMover:
         checksums = self.config.host_checksums
+        if self.path.stage_bytes:
+            log.info("staging area: %s MiB %s (--stage-mib; a layerwise load's first layer group is staged at "
+                     "its lookup)", f"{self.path.stage_bytes / (1 << 20):g}",
+                     "in host memory" if self.path.gpu is None else f"on cuda:{self.path.gpu}")
         if self.path.gpu is None:
             return BlockMover(host, disk, disk_io, host_checksums=checksums, pacing=self.path.pacing,
                               store_yield_ms=self.path.store_yield_ms, stage_bytes=self.path.stage_bytes)

@@ -67,6 +67,7 @@ def test_a_staged_load_lands_its_first_group_from_the_area(make_node, area):
     assert c["loads_staged"] == 1 and c["staged_loads_used"] == 1 and c["jobs_ok"] >= 1
     log = s.node.log_tails(chars=1 << 20)
     assert f"job {answer.job_id} load: staged" in log
+    assert f"staging area: {float(area[1]):g} MiB in host memory (--stage-mib;" in log
 
 
 def test_the_worker_side_joins_the_staged_job(make_node):
