@@ -201,6 +201,19 @@ def cold_table(runs: list[dict]) -> None:
         print(f"{slot:<11} {m:7.1f} ms  ({' '.join(f'{v:.1f}' for v in values)}){vs}")
 
 
+def one_memcpy_ms(path: str) -> float:
+    """The floor's copy: ``h2d_ceiling.py``'s "one cudaMemcpyAsync" of the hit's bytes, in ms."""
+    rows = json.load(open(path))["rows"]
+    return float(next(r["ms"] for r in rows if r["way"] == "one cudaMemcpyAsync"))
+
+
+def floor_line(front_ms: float, memcpy_ms: float, p50_s: float | None) -> str:
+    """Issue 13's floor (a system's front end + one pinned memcpy of the hit) and a warm p50 against it."""
+    floor = front_ms + memcpy_ms
+    against = f"; warm p50 {p50_s * 1e3:.1f} ms = {p50_s * 1e3 / floor:.2f}x the floor" if p50_s else ""
+    return f"floor: front {front_ms:.1f} + one memcpy {memcpy_ms:.2f} = {floor:.1f} ms{against}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("results")
@@ -210,7 +223,11 @@ def main() -> None:
                          "file, lmcache_timed and null)")
     ap.add_argument("--pass", dest="pass_index", type=int, default=None,
                     help="this pass alone (default: every pass, the breakdown pools their warm requests)")
+    ap.add_argument("--h2d", default=None, metavar="H2D_CEILING_JSON",
+                    help="h2d_ceiling.py's result on the same machine: each broken-down system's floor (its "
+                         "median front end + one pinned memcpy of the hit) and its warm p50 against it")
     args = ap.parse_args()
+    memcpy_ms = one_memcpy_ms(args.h2d) if args.h2d else None
     runs = load_runs(args.results, args.pass_index)
     if not [r for r in runs if "rows" in r]:
         raise SystemExit(f"no engine run with rows in {args.results}"
@@ -235,6 +252,9 @@ def main() -> None:
         for k in (PEER_FIELDS if name == "lmcache_timed" else FIELDS):
             v = [p[k] for p in parts]
             print(f"  {k:<11} {statistics.median(v):7.1f} {min(v):7.1f} {max(v):7.1f}")
+        if memcpy_ms is not None and "front" in parts[0]:
+            print("  " + floor_line(statistics.median(p["front"] for p in parts), memcpy_ms,
+                                    next(s for s in summarize(runs) if s["summary"] == name)["warm_ttft_p50_median"]))
     cold_timelines(runs, events, [n for n in names if n != "lmcache_timed"])
 
 

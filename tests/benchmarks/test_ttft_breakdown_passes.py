@@ -160,3 +160,13 @@ def test_the_cold_timeline_lines_up_kvbm_and_the_null_connector():
     (n1, _) = ttft_breakdown.cold_timeline(rows, null, ttft_breakdown.COLD_EVENTS["null"])
     assert (n1["lookup_at"], n1["step1_at"], n1["step2_at"], n1["fwd1"]) == pytest.approx((7.0, 12.0, 52.0, 29.0))
     assert n1["fwd2"] != n1["fwd2"], "no second forward traced: nan"
+
+
+def test_the_floor_is_the_front_end_plus_one_memcpy(tmp_path) -> None:
+    h2d = tmp_path / "h2d.json"
+    h2d.write_text(json.dumps({"rows": [{"way": "2 streams at once", "ms": 55.2},
+                                        {"way": "one cudaMemcpyAsync", "ms": 54.62}]}))
+    assert ttft_breakdown.one_memcpy_ms(str(h2d)) == 54.62
+    assert ttft_breakdown.floor_line(6.8, 54.62, 0.0729) == \
+        "floor: front 6.8 + one memcpy 54.62 = 61.4 ms; warm p50 72.9 ms = 1.19x the floor"
+    assert ttft_breakdown.floor_line(6.8, 54.62, None) == "floor: front 6.8 + one memcpy 54.62 = 61.4 ms"
