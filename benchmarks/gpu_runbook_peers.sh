@@ -197,7 +197,9 @@ peers() {
   [ "$W" = 20 ] && X="$A20"
   [ "${s%g}" != "$s" ] && O="--timeout 600 --cuda-graphs"
   KVBM_CONNECTOR_TRACE=$R/t${W}k_$s.jsonl $T "$R/ttft${W}k_$s.jsonl" $Y $X $H $O "$@" >"$R/$s.log" 2>&1
-  python3 benchmarks/ttft_breakdown.py "$R/ttft${W}k_$s.jsonl" "$R/t${W}k_$s.jsonl" >>"$R/$s.log" 2>&1
+  local F=""  # the floor, on 20K: h2d_ceiling.py measures a 20K hit's bytes (the step h2d, run before)
+  [ "$W" = 20 ] && [ -f "$R/h2d_ceiling.json" ] && F="--h2d $R/h2d_ceiling.json"
+  python3 benchmarks/ttft_breakdown.py "$R/ttft${W}k_$s.jsonl" "$R/t${W}k_$s.jsonl" $F >>"$R/$s.log" 2>&1
 }
 # 20K, eager, kvbm layerwise alone, one harness run (its own service) per worker variant NAME=FLAGS, in
 # order; each run's worker log apart ($R/worker_TAG_NAME.log), then lane_issue.py over them.
