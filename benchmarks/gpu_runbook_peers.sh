@@ -294,8 +294,7 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
     gc20) KVBM_LEADER_LOG=debug peers lmcache,ours_layerwise --passes ${PASSES:-3} ;;
     wu20|wu8) peers lmcache,ours_layerwise --warmup-turn --passes ${PASSES:-3} ;;
     killv1|killv2) M="--model-runner v1 --async-scheduling off"; [ $s = killv2 ] && M="--async-scheduling on"
-              python3 -m tests.stress.run --users 12 --turns 3 --gpu 0 $M --block-size 16 --dtype float32 \
-              --load-mode layerwise --passes kill-mid-load --skip-baseline-check --timeout 240 --work /tmp/sw \
+              python3 -m tests.stress.run $S12 $M --passes kill-mid-load --work /tmp/sw \
               --tag ${s#kill} --out "$R/stress_killmidload_${s#kill}.json" >"$R/$s.log" 2>&1 ;;
     every8g|every20g) peers native,lmcache,dynamo,ours_layerwise --passes 2 ;;
     lookup) timeout 500 python3 benchmarks/lookup_latency.py --gap-ms 90 --reps 100 --passes 4 \
@@ -332,9 +331,8 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
     fit20g) peers lmcache,ours_layerwise --passes ${FIT_PASSES:-1} ;;
     staged20g) KVBM_WORKER_ARGS="--stage-mib ${STAGE_MIB:-1024}" peers ${STAGED_SYSTEMS:-lmcache,ours_layerwise_unstaged,ours_layerwise_staged} \
                  --passes ${STAGED_PASSES:-2} ${STAGED_ARGS---warmup-turn} ;;
-    stressstaged) python3 -m tests.stress.run --users 12 --turns 3 --gpu 0 --async-scheduling on --block-size 16 \
-              --dtype float32 --load-mode layerwise --stage-mib ${STAGE_MIB:-1024} --passes none --skip-baseline-check \
-              --timeout 240 --work /tmp/sws --out "$R/stress_staged.json" >"$R/stressstaged.log" 2>&1 ;;
+    stressstaged) python3 -m tests.stress.run $S12 --async-scheduling on --stage-mib ${STAGE_MIB:-1024} --passes none \
+              --work /tmp/sws --out "$R/stress_staged.json" >"$R/stressstaged.log" 2>&1 ;;
     greedystaged) KVBM_WORKER_ARGS="--stage-mib ${STAGE_MIB:-1024}" $T "$R/greedy8_staged_graphs.jsonl" \
                     baseline,ours_layerwise_staged $G8 --cuda-graphs --timeout 600 >"$R/greedystaged.log" 2>&1 ;;
     conc20l) KVBM_G2_GB=48 KVBM_CONNECTOR_TRACE=$R/t20k_conc_light.jsonl $T "$R/ttft20k_conc_light.jsonl" \
@@ -378,9 +376,8 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
                 lmcache,ours_layerwise,ours_sync $H --timeout 600 --cuda-graphs --passes 2 >"$R/$s.log" 2>&1 ;;
     stresslazy|stresstail|stressfirst) V=true; N=stress_lazy_gpuwait; [ $s = stresstail ] && V='"tail"' && N=stress_tail
               [ $s = stressfirst ] && V='"after_first"' && N=stress_afterfirst
-              python3 -m tests.stress.run --users 12 --turns 3 --gpu 0 --async-scheduling on --block-size 16 \
-              --dtype float32 --load-mode layerwise --kvbm-extra "{\"gpu_layer_waits\": $V}" --passes none \
-              --skip-baseline-check --timeout 240 --work /tmp/sw --out "$R/$N.json" >"$R/$s.log" 2>&1 ;;
+              python3 -m tests.stress.run $S12 --async-scheduling on --kvbm-extra "{\"gpu_layer_waits\": $V}" \
+              --passes none --work /tmp/sw --out "$R/$N.json" >"$R/$s.log" 2>&1 ;;
     greedylazy|greedytail|greedyfirst) V=gpuwait; [ $s = greedytail ] && V=tail; [ $s = greedyfirst ] && V=afterfirst
                $T "$R/greedy8_${V}_graphs.jsonl" baseline,ours_layerwise_$V $G8 --cuda-graphs --timeout 600 \
                >"$R/$s.log" 2>&1 ;;
@@ -410,8 +407,7 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
              done ;;
     graphs20) KVBM_CONNECTOR_TRACE=$R/t20k_graphs.jsonl $T "$R/ttft20k_graphs.jsonl" lmcache,ours_layerwise \
                $A20 $H --timeout 600 --passes 2 --cuda-graphs >"$R/graphs20.log" 2>&1 ;;
-    stress) python3 -m tests.stress.run --users 12 --turns 3 --gpu 0 --async-scheduling on --block-size 16 \
-              --dtype float32 --load-mode layerwise --passes none --skip-baseline-check --timeout 240 \
+    stress) python3 -m tests.stress.run $S12 --async-scheduling on --passes none \
               --work /tmp/sw --out "$R/stress_async_early.json" >"$R/stress.log" 2>&1 ;;
     greedy) $T "$R/greedy8_layerwise.jsonl" baseline,ours_layerwise $G8 >"$R/greedy.log" 2>&1 ;;
     eager8) KVBM_CONNECTOR_TRACE=$R/t8k_eager.jsonl $T "$R/ttft8k_eager.jsonl" native,lmcache,dynamo,ours_layerwise \
