@@ -165,7 +165,9 @@
 #             until the twenty-fifth session the unstaged side was ours_layerwise, which now stages where the
 #             workers have an area), the workers with a staging area of STAGE_MIB (default 1024); STAGED_ARGS go to
 #             the harness (default --warmup-turn since the twenty-seventh session: each pass's first warm request
-#             was its p90 on lease c, and the harness's p90 of 10 warm requests is their largest)
+#             was its p90 on lease c, and the harness's p90 of 10 warm requests is their largest); staged8g
+#             the same on 8K (twenty-eighth session: with STAGED_SYSTEMS=native,lmcache,dynamo,ours_layerwise_staged
+#             both are the proof's every-peer run, staged and warmed, without vLLM alone)
 #   stressstaged  the stress step (no wrong KV, async scheduling, layerwise loads) with a staging area of STAGE_MIB:
 #             fails if no load used a stage
 #   greedystaged  max_tokens=8 outputs with CUDA graphs, kvbm layerwise with staged loads against vLLM alone
@@ -329,7 +331,7 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
               done
             done ;;
     fit20g) peers lmcache,ours_layerwise --passes ${FIT_PASSES:-1} ;;
-    staged20g) KVBM_WORKER_ARGS="--stage-mib ${STAGE_MIB:-1024}" peers ${STAGED_SYSTEMS:-lmcache,ours_layerwise_unstaged,ours_layerwise_staged} \
+    staged20g|staged8g) KVBM_WORKER_ARGS="--stage-mib ${STAGE_MIB:-1024}" peers ${STAGED_SYSTEMS:-lmcache,ours_layerwise_unstaged,ours_layerwise_staged} \
                  --passes ${STAGED_PASSES:-2} ${STAGED_ARGS---warmup-turn} ;;
     stressstaged) python3 -m tests.stress.run $S12 --async-scheduling on --stage-mib ${STAGE_MIB:-1024} --passes none \
               --work /tmp/sws --out "$R/stress_staged.json" >"$R/stressstaged.log" 2>&1 ;;
