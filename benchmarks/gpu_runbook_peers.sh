@@ -166,8 +166,9 @@
 #             workers have an area), the workers with a staging area of STAGE_MIB (default 1024); STAGED_ARGS go to
 #             the harness (default --warmup-turn since the twenty-seventh session: each pass's first warm request
 #             was its p90 on lease c, and the harness's p90 of 10 warm requests is their largest); staged8g
-#             the same on 8K (twenty-eighth session: with STAGED_SYSTEMS=native,lmcache,dynamo,ours_layerwise_staged
-#             both are the proof's every-peer run, staged and warmed, without vLLM alone)
+#             the same on 8K, staged20 / staged8 the same eager (twenty-eighth session: with
+#             STAGED_SYSTEMS=native,lmcache,dynamo,ours_layerwise_staged they are the proof's every-peer run,
+#             staged and warmed, without vLLM alone)
 #   stressstaged  the stress step (no wrong KV, async scheduling, layerwise loads) with a staging area of STAGE_MIB:
 #             fails if no load used a stage
 #   greedystaged  max_tokens=8 outputs with CUDA graphs, kvbm layerwise with staged loads against vLLM alone
@@ -188,6 +189,7 @@
 # Earlier sessions' runs (other steps, other systems) are recorded in their result files' argv.
 . benchmarks/gpu_runbook_env.sh  # set -u, $R, step, A20, G8
 T=benchmarks/vllm_gpu_ttft.sh
+GPU_TESTS="tests/gpu/test_cuda_copier.py tests/gpu/test_daemon_gpu.py tests/kvbm_client/test_doctor_cuda.py"
 export KVBM_WORKER_LOG=${KVBM_WORKER_LOG:-debug}
 H=--hit-sources
 # One harness run of SYSTEMS for step $s, then its breakdown, both into $R/$s.log. The step's name
@@ -224,8 +226,10 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
   case $s in
     gap) for g in 0 0.5; do python3 benchmarks/g2_copy_path.py --kinds shared --gap-s $g \
            --json "$R/g2_copy_gap$g.json" >>"$R/gap.log" 2>&1; done ;;
-    gputests) python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_copier.py tests/gpu/test_daemon_gpu.py tests/kvbm_client/test_doctor_cuda.py \
-                >"$R/gpu_tests.txt" 2>&1 ;;
+    gputests) { echo "# commit ${KVBM_BENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}, $(date -u +%FT%TZ)," \
+                     "GPU $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)"
+                echo "# python3 -m pytest -q -rs -p no:cacheprovider $GPU_TESTS"
+                python3 -m pytest -q -rs -p no:cacheprovider $GPU_TESTS; } >"$R/gpu_tests.txt" 2>&1 ;;
     upload) timeout 120 python3 benchmarks/upload_behind_copies.py --json "$R/upload_behind_copies.json" \
               >"$R/upload.log" 2>&1 ;;
     gatestaged) if ! python3 -m pytest -q -p no:cacheprovider tests/gpu/test_daemon_gpu.py -k staged \
@@ -331,7 +335,7 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
               done
             done ;;
     fit20g) peers lmcache,ours_layerwise --passes ${FIT_PASSES:-1} ;;
-    staged20g|staged8g) KVBM_WORKER_ARGS="--stage-mib ${STAGE_MIB:-1024}" peers ${STAGED_SYSTEMS:-lmcache,ours_layerwise_unstaged,ours_layerwise_staged} \
+    staged20g|staged8g|staged20|staged8) KVBM_WORKER_ARGS="--stage-mib ${STAGE_MIB:-1024}" peers ${STAGED_SYSTEMS:-lmcache,ours_layerwise_unstaged,ours_layerwise_staged} \
                  --passes ${STAGED_PASSES:-2} ${STAGED_ARGS---warmup-turn} ;;
     stressstaged) python3 -m tests.stress.run $S12 --async-scheduling on --stage-mib ${STAGE_MIB:-1024} --passes none \
               --work /tmp/sws --out "$R/stress_staged.json" >"$R/stressstaged.log" 2>&1 ;;

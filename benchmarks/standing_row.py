@@ -5,7 +5,8 @@
 Prints ``| LABEL (`FILE`) | native | LMCache 0.5.3 | Dynamo KVBM 1.6.1 | kvbm | kvbm / LMCache |``:
 each cell is the median over the passes of each pass's warm p50 / p90 in ms (``peer_passes.summarize``,
 as ``ttft_breakdown.py`` prints them), "DNR" after a figure whose passes differ by more than 10 %,
-the lowest p50 of the row in bold, and "–" for a system that did not run. The kvbm column is the
+the lowest p50 of the row in bold, "(N of M passes)" after a system that ran fewer passes to the end
+than the row's most (a run cut short), and "–" for a system that did not run. The kvbm column is the
 first ``ours*`` slot of the file (``--kvbm`` picks another); the last column is its p50 over
 LMCache's. So the table is regenerated from the files, with the command that made each row.
 """
@@ -22,8 +23,15 @@ COLUMNS = (("native", ("native",)), ("LMCache 0.5.3", ("lmcache", "lmcache_timed
            ("Dynamo KVBM 1.6.1", ("dynamo",)))
 
 
-def cell(s: dict | None, bold: bool) -> str:
-    """``p50 / p90`` of a summary, with DNR marks (or "–": not run, "failed": no pass ran)."""
+def good_passes(s: dict) -> int:
+    """How many of a summary's passes ran to the end (a failed or missing pass does not count)."""
+    return len(s["passes"]) - len(s["failed_passes"])
+
+
+def cell(s: dict | None, bold: bool, most: int = 1) -> str:
+    """``p50 / p90`` of a summary, with DNR marks (or "–": not run, "failed": no pass ran), and
+    "(N of M passes)" where the system ran fewer passes to the end than the row's most (a run cut
+    short: its figures are not medians over as many passes as its neighbours')."""
     if s is None:
         return "–"
     p50, p90 = s["warm_ttft_p50_median"], s["warm_ttft_p90_median"]
@@ -37,7 +45,9 @@ def cell(s: dict | None, bold: bool) -> str:
     b = f"{p90 * 1e3:.1f}" + (", p90 DNR" if dnr("warm_ttft_p90") and not dnr("warm_ttft_p50") else "")
     if dnr("warm_ttft_p90") and dnr("warm_ttft_p50"):
         b += " DNR"
-    return f"**{a} / {b}**" if bold else f"{a} / {b}"
+    text = f"**{a} / {b}**" if bold else f"{a} / {b}"
+    n = good_passes(s)
+    return text + (f" ({n} of {most} passes)" if n < most else "")
 
 
 def row(path: str, label: str, kvbm: str | None = None) -> str:
@@ -49,7 +59,8 @@ def row(path: str, label: str, kvbm: str | None = None) -> str:
     every = picked + [ours]
     p50s = [s["warm_ttft_p50_median"] for s in every if s is not None and s["warm_ttft_p50_median"] is not None]
     best = min(p50s) if p50s else None
-    cells = [cell(s, s is not None and s["warm_ttft_p50_median"] == best) for s in every]
+    most = max(good_passes(s) for s in sums.values())
+    cells = [cell(s, s is not None and s["warm_ttft_p50_median"] == best, most) for s in every]
     lmcache, mine = picked[1], ours
     ratio = (f"{mine['warm_ttft_p50_median'] / lmcache['warm_ttft_p50_median']:.2f}×"
              if mine and lmcache and mine["warm_ttft_p50_median"] and lmcache["warm_ttft_p50_median"] else "–")

@@ -35,3 +35,14 @@ def test_a_named_kvbm_slot_must_exist(tmp_path: Path) -> None:
     assert "| **80.0 / 90.0** | – |" in standing_row.row(str(f), "8K")
     with pytest.raises(SystemExit, match="no slot 'ours_layerwise'"):
         standing_row.row(str(f), "8K", kvbm="ours_layerwise")
+
+
+def test_a_system_with_fewer_passes_says_so(tmp_path: Path) -> None:
+    """A run cut short (the machine's time ran out) leaves one system a pass short: its cell says so,
+    and a system that ran every pass gets no mark."""
+    f = tmp_path / "r.jsonl"
+    runs = [line("native", 0, 0.120, 0.150), line("lmcache", 0, 0.090, 0.100), line("ours_layerwise", 0, 0.080, 0.090),
+            line("ours_layerwise", 1, 0.082, 0.091), line("lmcache", 1, 0.092, 0.101)]
+    f.write_text("\n".join(json.dumps(r) for r in runs) + "\n")
+    text = standing_row.row(str(f), "8K")
+    assert "| 120.0 / 150.0 (1 of 2 passes) | 91.0 / 100.5 | – | **81.0 / 90.5** | 0.89× |" in text
