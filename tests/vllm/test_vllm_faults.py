@@ -86,6 +86,25 @@ def test_failed_sync_loads_are_recomputed(vllm_python, tiny_model, baseline, kvb
     assert c.get("kvbm_onboard_blocks_h2d", 0) == 0
 
 
+def test_failed_async_loads_are_recomputed_on_an_idle_engine(vllm_python, tiny_model, baseline, kvbm_node, tmp_path):
+    """``load_mode: async`` (what ``auto`` picks under vLLM's V2 runner or async scheduling, so the
+    GPU default) with loads that fail: one prompt at a time, so each request waits for its load with
+    nothing else in the engine, whose core runs its own busy loop in its own process. The connector
+    reports the failed blocks with the load's end, vLLM recomputes, and the outputs stay the
+    baseline's. A recompute that waited for another request to wake the engine (reported against a
+    vLLM fork, local-inference-lab/vllm#191) would hang the run here: the next prompt is only sent
+    once this one finished, so the engine run would time out."""
+    node = kvbm_node(DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS="512", **fault_env(FAIL_LOADS="1"))
+    result = run_engine(vllm_python, tiny_model, tmp_path / "fail_async.json", "--kvbm", "--rounds", "4",
+                        "--kvbm-extra", json.dumps({"load_mode": "async"}), env=node.env, multiprocess=True)
+    assert outputs(result) == outputs(baseline)
+    c = node.counters()
+    assert c["kvbm_failed_jobs"] > 0, "no load was attempted, so nothing was tested"
+    assert c.get("kvbm_onboard_blocks_h2d", 0) == 0
+    assert "Recovered from KV load failure" in (tmp_path / "fail_async.log").read_text(), \
+        "vLLM did not take the failure path"
+
+
 @pytest.mark.parametrize("lying", [False, True], ids=["waits", "negative-control"])
 def test_layerwise_forward_waits_for_late_layers(vllm_python, tiny_model, baseline, kvbm_node, tmp_path, lying):
     """``load_mode: layerwise`` with a worker whose later layer groups land 0.2 s late: the
