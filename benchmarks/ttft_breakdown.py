@@ -237,6 +237,7 @@ def main() -> None:
     names = args.systems.split(",") if args.systems is not None else \
         list(dict.fromkeys(r["slot"] for r in runs
                            if r["slot"].startswith("ours") or base_system(r["slot"]) in TRACED_PEERS))
+    p50s = {s["summary"]: s["warm_ttft_p50_median"] for s in summarize(runs)} if memcpy_ms is not None else {}
     for name in names:
         parts: list[dict] = []
         mine = [r for r in runs if r["slot"] == name and "rows" in r]
@@ -253,8 +254,7 @@ def main() -> None:
             v = [p[k] for p in parts]
             print(f"  {k:<11} {statistics.median(v):7.1f} {min(v):7.1f} {max(v):7.1f}")
         if memcpy_ms is not None and "front" in parts[0]:
-            print("  " + floor_line(statistics.median(p["front"] for p in parts), memcpy_ms,
-                                    next(s for s in summarize(runs) if s["summary"] == name)["warm_ttft_p50_median"]))
+            print("  " + floor_line(statistics.median(p["front"] for p in parts), memcpy_ms, p50s[name]))
     cold_timelines(runs, events, [n for n in names if n != "lmcache_timed"])
 
 
