@@ -41,6 +41,11 @@ the row's start time ``t0``:
              CPU time meanwhile (less than ``forward``: it waited for a layer, the daemon's answer,
              the interpreter lock or a CPU)
   copy_start t0 -> the copy sent to the worker daemon (front + lookup + to_copy)
+  landed     layer-pipelined loads: t0 -> the last layer group landed (copy_start + head_start +
+             last_group); against front + one memcpy of the hit, what the copy lost to the lookup
+             and the link
+  tail       layer-pipelined loads: the last layer group landed -> the first token (ttft - landed:
+             the forward's last layers, sampling, output)
   gpu_waits  layer-pipelined loads: the layer waits enqueued on the GPU (0: all on the CPU)
   gc         the engine process's garbage collections of 2 ms or more while the request was
              served, summed (traces from 2026-11-27 sixteenth session on; before: nan)
@@ -61,7 +66,7 @@ NOT_PEERS = ("baseline", "recompute", "null")
 TRACED_PEERS = ("lmcache_timed", "null")
 FIELDS = ("ttft", "front", "lookup", "to_copy", "head_start", "wait", "after_load", "ret", "store_prep", "alloc",
           "copy", "layer_wait", "first_group", "last_group", "settle", "forward",
-          "forward_cpu", "copy_start", "gpu_waits", "gc", "blocks")
+          "forward_cpu", "copy_start", "landed", "tail", "gpu_waits", "gc", "blocks")
 
 
 def load_runs(path: str, pass_index: int | None = None) -> list[dict]:
@@ -117,6 +122,7 @@ def breakdown(rows: list[dict], events: list[dict]) -> list[dict]:
         early = [e for e in pick("early_load") if e["req"] == ld["req"]]
         copy_start = early[0]["t"] if early else load_start
         alloc = [e for e in pick("allocated") if e["req"] == ld["req"]]
+        landed = (load_start - t0) * 1e3 + (ld.get("landed_ms") or [float("nan")])[-1]
         out.append({"ttft": r["ttft_s"] * 1e3, "front": (p["t"] - p["ms"] / 1e3 - t0) * 1e3, "lookup": p["ms"],
                     "to_copy": (copy_start - p["t"]) * 1e3, "head_start": (load_start - copy_start) * 1e3,
                     "wait": ld["submit_to_done_ms"], "after_load": (f["t"] - ld["t"]) * 1e3,
@@ -130,7 +136,8 @@ def breakdown(rows: list[dict], events: list[dict]) -> list[dict]:
                     if pick("layer_waits") else float("nan"),
                     "forward": pick("forward")[-1]["ms"] if pick("forward") else float("nan"),
                     "forward_cpu": pick("forward")[-1]["cpu_ms"] if pick("forward") else float("nan"),
-                    "copy_start": (copy_start - t0) * 1e3, "gpu_waits": ld.get("gpu_waits", float("nan")),
+                    "copy_start": (copy_start - t0) * 1e3, "landed": landed, "tail": r["ttft_s"] * 1e3 - landed,
+                    "gpu_waits": ld.get("gpu_waits", float("nan")),
                     "gc": sum(e["ms"] for e in pick("gc")) if traced_gc else float("nan"),
                     "blocks": ld["blocks"]})
     return out

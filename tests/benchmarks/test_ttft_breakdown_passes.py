@@ -170,3 +170,22 @@ def test_the_floor_is_the_front_end_plus_one_memcpy(tmp_path) -> None:
     assert ttft_breakdown.floor_line(6.8, 54.62, 0.0729) == \
         "floor: front 6.8 + one memcpy 54.62 = 61.4 ms; warm p50 72.9 ms = 1.19x the floor"
     assert ttft_breakdown.floor_line(6.8, 54.62, None) == "floor: front 6.8 + one memcpy 54.62 = 61.4 ms"
+
+
+def test_landed_and_tail_split_a_layerwise_request_at_its_last_group() -> None:
+    """t0 -> the last layer group landed (the copy sent early at 15 ms, the worker role's call 5 ms
+    later, its last group 45 ms after that) and from there to the first token."""
+    rows = [{"round": 0, "user": 0, "t0": 90.0, "ttft_s": 0.4},
+            {"round": 1, "user": 0, "t0": 100.0, "ttft_s": 0.080}]
+    t0 = 100.0
+    events = [{"what": "prepare_load", "pid": 1, "t": t0 + 0.012, "req": "r", "ms": 3.0},
+              {"what": "early_load", "pid": 1, "t": t0 + 0.015, "req": "r"},
+              {"what": "load", "pid": 1, "t": t0 + 0.070, "req": "r", "submit_to_done_ms": 50.0,
+               "blocks": 10, "copy_ms": 50.0, "landed_ms": [8.0, 45.0]},
+              {"what": "finished", "pid": 1, "t": t0 + 0.078, "req": "r"}]
+    (one,) = ttft_breakdown.breakdown(rows, events)
+    assert (one["copy_start"], one["head_start"], one["last_group"]) == pytest.approx((15.0, 5.0, 45.0))
+    assert one["landed"] == pytest.approx(65.0) and one["tail"] == pytest.approx(15.0)
+    no_groups = [dict(e, landed_ms=[]) if e["what"] == "load" else e for e in events]
+    (flat,) = ttft_breakdown.breakdown(rows, no_groups)
+    assert flat["landed"] != flat["landed"] and flat["tail"] != flat["tail"], "no layer groups: nan"
