@@ -81,6 +81,9 @@
 #             kvbm's default, kvbm offloading nothing (ours_layerwise_nostore: do the stores slow the
 #             prefill?), kvbm synchronous (ours_sync: do the layerwise hooks?); ttft_breakdown.py prints the
 #             cold timeline of each
+#   coldwhy8  coldwhy20's question on 8K, as the twenty-ninth session's staged8 ran (the workers with
+#             --stage-mib, a warm-up turn): vLLM alone, the null connector, kvbm staged, kvbm offloading
+#             nothing; 3 passes (there kvbm's cold 8K was +2.2 % over vLLM alone, 20K +0.6 %)
 #   holds20   20K eager, 3 passes: vLLM alone, kvbm (block holds: a finished request freed at once, the
 #             blocks stores read pinned), kvbm with delayed frees (ours_layerwise_delayfree, before
 #             2026-11-27): cold and warm; then ttft_breakdown.py
@@ -288,6 +291,8 @@ for s in ${@:-gap h2d eager20 graphs20 stress greedy eager8 graphs8}; do
     coldwhy20) KVBM_CONNECTOR_TRACE=$R/t20k_$s.jsonl $T "$R/ttft20k_$s.jsonl" \
                 baseline,null,ours_layerwise,ours_layerwise_nostore,ours_sync $A20 $H --timeout 300 --passes 3 >"$R/$s.log" 2>&1
                python3 benchmarks/ttft_breakdown.py "$R/ttft20k_$s.jsonl" "$R/t20k_$s.jsonl" >>"$R/$s.log" 2>&1 ;;
+    coldwhy8) KVBM_WORKER_ARGS="--stage-mib ${STAGE_MIB:-1024}" peers baseline,null,ours_layerwise_staged,ours_layerwise_nostore \
+                --passes 3 --warmup-turn ;;
     holds20) KVBM_CONNECTOR_TRACE=$R/t20k_$s.jsonl $T "$R/ttft20k_$s.jsonl" \
                 baseline,ours_layerwise,ours_layerwise_delayfree $A20 $H --timeout 300 --passes 3 >"$R/$s.log" 2>&1
                python3 benchmarks/ttft_breakdown.py "$R/ttft20k_$s.jsonl" "$R/t20k_$s.jsonl" >>"$R/$s.log" 2>&1 ;;

@@ -46,3 +46,17 @@ def test_a_system_with_fewer_passes_says_so(tmp_path: Path) -> None:
     f.write_text("\n".join(json.dumps(r) for r in runs) + "\n")
     text = standing_row.row(str(f), "8K")
     assert "| 120.0 / 150.0 (1 of 2 passes) | 91.0 / 100.5 | – | **81.0 / 90.5** | 0.89× |" in text
+
+
+def test_the_readme_rows_are_the_result_files_rows() -> None:
+    """Every row of the README's "Where kvbm stands" table is what ``standing_row.py`` prints from
+    the result file the row names, with the row's label: the table cannot drift from the files."""
+    readme = (BENCH.parent / "README.md").read_text()
+    section = readme.split("### Where kvbm stands")[1].split("\n### ")[0]
+    rows = [r for r in section.splitlines() if r.startswith("| ") and ": `vllm026_" in r]
+    assert len(rows) >= 8
+    for r in rows:
+        first = r.split(" | ")[0][2:]
+        label, rest = first.split(": `", 1)
+        name = rest.split("`")[0]
+        assert standing_row.row(str(BENCH / "results" / name), label + ")") == r, name
