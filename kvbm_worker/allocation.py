@@ -125,7 +125,15 @@ class AllocationProgress:
 
 
 class PoolAllocator:
-    """Owns the current :class:`Pools` (``current``) and the progress of their allocation."""
+    """Owns the current :class:`Pools` (``current``), the progress of their allocation, and the
+    epoch the leader was told is ready (``announced``).
+
+    The pools are *ready* (:attr:`ready`, ``Status``'s "ready") only once the leader accepted
+    this worker's ``PoolsReady`` for their epoch: until then the leader plans no store onto them
+    (it answers every ``PrepareStore`` with nothing), and the engine's connector, which waits for
+    "ready" before the engine serves, would lose its first requests' stores. (The node can still
+    be unready after that: other workers' pools, or a persistent G3 being restored.)
+    """
 
     def __init__(self, config: KvbmConfig, worker_id: str, path: DataPath, lanes: Lanes) -> None:
         self.config, self.worker_id, self.path = config, worker_id, path
@@ -134,6 +142,16 @@ class PoolAllocator:
         self.current: Pools | None = None
         self.progress: AllocationProgress | None = None
         self.error = ""  # why the last allocation failed ("" while none did)
+        self.announced = -1  # the epoch whose PoolsReady the leader accepted (-1: none yet)
+
+    @property
+    def ready(self) -> bool:
+        """The current pools are allocated and the leader knows it (see the class docstring)."""
+        return self.current is not None and self.current.epoch == self.announced
+
+    def announce(self, epoch: int) -> None:
+        """The leader accepted this worker's ``PoolsReady`` for ``epoch``."""
+        self.announced = epoch
 
     async def apply(self, plan: "pb.PoolPlan", layout: "pb.KvLayout") -> tuple[bool, str]:
         """Make the pools match ``plan`` for ``layout``; returns (ok, error) for ``PoolsReady``."""

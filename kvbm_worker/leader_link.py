@@ -174,6 +174,9 @@ class LeaderLink:
                                                               error=error, disk_index=index), timeout=RPC_TIMEOUT)
         except grpc.RpcError as exc:
             log.warning("could not report pools ready: %s", exc.details())
+            return
+        if ok:
+            self._peer.pools.announce(plan.epoch)  # our Status says "ready" from now on
 
     async def layout_changed(self) -> None:
         """Send the engine's layout (a region appeared, or a leader welcomed us)."""

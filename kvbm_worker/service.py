@@ -141,7 +141,7 @@ class WorkerService(rpc.WorkerServicer):  # type: ignore[misc]  # generated base
         pools = self.pools.current
         error = self.pools.error
         info = pb.WorkerInfo(worker_id=self.worker_id, rank=self.rank,
-                             state="ready" if pools else "failed" if error else "waiting", error=error,
+                             state="ready" if self.pools.ready else "failed" if error else "waiting", error=error,
                              alloc_progress=progress.fraction if progress is not None else 0.0)
         layout = self.layout()
         if layout is not None:

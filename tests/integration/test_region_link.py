@@ -10,17 +10,22 @@ from kvbm_client.connectors.core.region_ids import EngineRegionIds
 from kvbm_client.contract import pb, rpc
 from kvbm_client.ids import WorkerId
 from kvbm_client.security import region_digest
+from support.fault_env import fault_env
 from support.probes import wait_for
 
 ENGINE = "engine-link-test"
 
 
+def link_settings(node, ready_timeout_s: float) -> ConnectorSettings:
+    return ConnectorSettings(leader_address=node.leader_address,
+                             worker_address_template=node.config().worker_address("{id}"), namespace="t",
+                             timeout_s=2.0, retry_s=0.2, ready_timeout_s=ready_timeout_s, config=node.config(),
+                             engine_id=ENGINE)
+
+
 def test_the_region_is_kept_registered_and_its_id_published(make_node):
     node = make_node()
-    settings = ConnectorSettings(leader_address=node.leader_address,
-                                 worker_address_template=node.config().worker_address("{id}"), namespace="t",
-                                 timeout_s=2.0, retry_s=0.2, ready_timeout_s=30.0, config=node.config(),
-                                 engine_id=ENGINE)
+    settings = link_settings(node, ready_timeout_s=30.0)
     ids = EngineRegionIds(node.config().resolved_socket_dir, ENGINE)
     link = RegionLink(WorkerId("0"), settings)
     engine = node.engine(num_blocks=16)
@@ -58,10 +63,7 @@ def test_pools_that_fail_end_the_wait_with_the_reason(make_node, tmp_path, caplo
     not_a_dir = tmp_path / "g3-is-a-file"
     not_a_dir.write_text("")
     node = make_node(DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS="8", DYN_KVBM_DISK_CACHE_DIR=str(not_a_dir))
-    settings = ConnectorSettings(leader_address=node.leader_address,
-                                 worker_address_template=node.config().worker_address("{id}"), namespace="t",
-                                 timeout_s=2.0, retry_s=0.2, ready_timeout_s=60.0, config=node.config(),
-                                 engine_id=ENGINE)
+    settings = link_settings(node, ready_timeout_s=60.0)
     link = RegionLink(WorkerId("0"), settings)
     try:
         with caplog.at_level(logging.ERROR, logger="kvbm.connector"):
@@ -75,5 +77,28 @@ def test_pools_that_fail_end_the_wait_with_the_reason(make_node, tmp_path, caplo
                    for r in caplog.records)
         leader_view = {w.worker_id: w for w in node.status().workers}["0"]
         assert leader_view.state == "failed" and str(not_a_dir) in leader_view.error
+    finally:
+        link.close()
+
+
+def test_ready_means_the_leader_knows_the_pools(make_node, tmp_path):
+    """A worker's Status says "ready" only once the leader accepted its PoolsReady: until then
+    the leader plans no store, so the engine's wait for the pools (``register()``) must not end
+    sooner. Here the worker tells the leader 2 s after its pools are allocated (test-only fault);
+    before the fix ``register()`` returned inside that window and the first stores were skipped
+    (a flaky CI failure of tests/stress/test_windows_daemons.py, 2026-11-28)."""
+    import time
+    faults = tmp_path / "faults.log"
+    node = make_node(**fault_env(POOLS_READY_DELAY_SECS="2", LOG=str(faults)))
+    settings = link_settings(node, ready_timeout_s=30.0)
+    link = RegionLink(WorkerId("0"), settings)
+    try:
+        started = time.monotonic()
+        link.register(node.engine(num_blocks=16).spec())
+        waited = time.monotonic() - started
+        assert "pools ready reported 2.0 s late" in faults.read_text(), "the window was not opened"
+        assert node.status().state == "ready", f"register() returned after {waited:.2f}s, before the leader knew"
+        assert node.worker_status("0").info.state == "ready"
+        assert waited >= 2.0
     finally:
         link.close()

@@ -91,12 +91,16 @@ class CoreEngine:
         return plan
 
     def store(self, req: Req, blocks: Sequence[int]) -> None:
-        """Compute ``req`` in ``blocks`` and store its full blocks (waited for)."""
+        """Compute ``req`` in ``blocks`` and store its full blocks (waited for, then checked:
+        a test that builds on a store that silently stored less would fail later, far from why)."""
         self.schedule(req, blocks)
         self.step({req.request_id: len(req.all_token_ids)})
         if self.planned_stores:
             self.step({})  # the next step ships them
         self.worker.fence()
+        full = len(req.all_token_ids) // BS
+        if (served := self.matched(req.all_token_ids)) != full:
+            raise AssertionError(f"{req.request_id}'s store left {served} of its {full} full blocks served")
 
     def release(self, req_id: str, timeout: float = 120.0) -> float:
         """The request ended: wait until the engine may reuse its blocks (at once, or once

@@ -29,6 +29,8 @@
   before it copies a byte (a lying daemon: the negative control of the layer waits).
 * ``KVBM_FAULT_GO_DELAY_SECS=S``: every leader's go (``StartTransfer``) the worker asks for is
   sent S seconds late (a slow leader: a stage's copy, which does not wait for it, is done first).
+* ``KVBM_FAULT_POOLS_READY_DELAY_SECS=S``: a worker whose pools are allocated tells the leader
+  (``PoolsReady``) S seconds later (a slow leader link: the pools exist, the leader does not know).
 * ``KVBM_FAULT_LOG=PATH``: one line per injected fault is appended there (a test asserts that
   its fault was injected at all).
 
@@ -275,6 +277,13 @@ def _wrap_op(cls: type, op: str, faults: _DiskFaults) -> None:
     setattr(cls, op, faulty)
 
 
+async def _pause(seconds: float, what: str) -> None:
+    """Note a delay fault and sleep it out (on the daemon's event loop)."""
+    import asyncio
+    note(what)
+    await asyncio.sleep(seconds)
+
+
 def _patch_leader_link(module: ModuleType) -> None:
     delay = _number("KVBM_FAULT_GO_DELAY_SECS")
     if not delay:
@@ -282,17 +291,30 @@ def _patch_leader_link(module: ModuleType) -> None:
     original = module.LeaderLink.start_job
 
     async def slow_go(self: Any, job: Any) -> float:
-        import asyncio
-        note(f"go delayed {delay} s: job {job.job_id}")
-        await asyncio.sleep(delay)
+        await _pause(delay, f"go delayed {delay} s: job {job.job_id}")
         return await original(self, job)  # type: ignore[no-any-return]
 
     module.LeaderLink.start_job = slow_go
 
 
+def _patch_service(module: ModuleType) -> None:
+    delay = _number("KVBM_FAULT_POOLS_READY_DELAY_SECS")
+    if not delay:
+        return
+    original = module.WorkerService.apply_pool_plan
+
+    async def slow_report(self: Any, plan: Any) -> Any:
+        result = await original(self, plan)  # allocated: the report to the leader follows our return
+        await _pause(delay, f"pools ready reported {delay} s late: epoch {plan.epoch}")
+        return result
+
+    module.WorkerService.apply_pool_plan = slow_report
+
+
 JOBS = _JobFaults()
 PATCHES: dict[str, Callable[[ModuleType], None]] = {
     "kvbm_worker.leader_link": _patch_leader_link,
+    "kvbm_worker.service": _patch_service,
     "kvbm_worker.mover": _patch_mover,
     "kvbm_worker.handlers.cuda": _patch_cuda,
     "kvbm_worker.handlers.disk": _patch_disk,
