@@ -142,7 +142,7 @@ class PoolAllocator:
         self.current: Pools | None = None
         self.progress: AllocationProgress | None = None
         self.error = ""  # why the last allocation failed ("" while none did)
-        self.announced = -1  # the epoch whose PoolsReady the leader accepted (-1: none yet)
+        self.announced = -1  # the epoch of the current plan whose PoolsReady the leader accepted (-1: not yet)
 
     @property
     def ready(self) -> bool:
@@ -153,9 +153,14 @@ class PoolAllocator:
         """The leader accepted this worker's ``PoolsReady`` for ``epoch``."""
         self.announced = epoch
 
+    def unannounce(self) -> None:
+        """A new leader welcomed this worker: it has accepted no pools of ours yet."""
+        self.announced = -1
+
     async def apply(self, plan: "pb.PoolPlan", layout: "pb.KvLayout") -> tuple[bool, str]:
         """Make the pools match ``plan`` for ``layout``; returns (ok, error) for ``PoolsReady``."""
         async with self._lock:
+            self.unannounce()  # a new plan (perhaps a new leader's, whose epochs restart): not announced yet
             block_bytes = layout.num_layers * layout.page_bytes
             host_geo = SlotGeometry.of(block_bytes, plan.host_slots)
             disk_geo = SlotGeometry.of(block_bytes, plan.disk_slots)

@@ -154,6 +154,8 @@ class LeaderLink:
             if event.welcome.job_timeout_s > 0:
                 self.grace = event.welcome.job_timeout_s
             self._attached.set()
+            if self._peer is not None:
+                self._peer.pools.unannounce()  # our Status is not "ready" until this leader accepts our pools
             log.info("attached to leader %s", event.welcome.leader_id)
             await self.layout_changed()
         elif which == "pools":

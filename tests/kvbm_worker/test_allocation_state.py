@@ -42,3 +42,23 @@ def test_a_failed_allocation_keeps_its_reason_until_the_next_try_starts(tmp_path
         allocator.current.close()
 
     asyncio.run(scenario())
+
+
+def test_ready_only_once_the_leader_accepted_the_plans_pools(tmp_path) -> None:
+    """Allocated is not ready: the leader must have accepted this plan's PoolsReady. A new plan,
+    even of the same epoch number (a new leader's epochs restart) on the same kept pools, is not
+    ready until it is announced in turn."""
+    allocator = PoolAllocator(KvbmConfig.from_env({}), "0", DataPath(), Lanes(1))
+
+    async def scenario() -> None:
+        assert await allocator.apply(pb.PoolPlan(epoch=1, host_slots=4, disk_slots=0), LAYOUT) == (True, "")
+        assert allocator.current is not None and not allocator.ready
+        allocator.announce(1)
+        assert allocator.ready
+        assert await allocator.apply(pb.PoolPlan(epoch=1, host_slots=4, disk_slots=0), LAYOUT) == (True, "")
+        assert not allocator.ready, "a new leader's epoch 1 on the kept pools counted as announced"
+        allocator.announce(1)
+        assert allocator.ready
+        allocator.current.close()
+
+    asyncio.run(scenario())
