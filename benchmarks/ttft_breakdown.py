@@ -122,7 +122,8 @@ def breakdown(rows: list[dict], events: list[dict]) -> list[dict]:
         early = [e for e in pick("early_load") if e["req"] == ld["req"]]
         copy_start = early[0]["t"] if early else load_start
         alloc = [e for e in pick("allocated") if e["req"] == ld["req"]]
-        landed = (load_start - t0) * 1e3 + (ld.get("landed_ms") or [float("nan")])[-1]
+        last_group = (ld.get("landed_ms") or [float("nan")])[-1]
+        landed = (load_start - t0) * 1e3 + last_group
         out.append({"ttft": r["ttft_s"] * 1e3, "front": (p["t"] - p["ms"] / 1e3 - t0) * 1e3, "lookup": p["ms"],
                     "to_copy": (copy_start - p["t"]) * 1e3, "head_start": (load_start - copy_start) * 1e3,
                     "wait": ld["submit_to_done_ms"], "after_load": (f["t"] - ld["t"]) * 1e3,
@@ -131,7 +132,7 @@ def breakdown(rows: list[dict], events: list[dict]) -> list[dict]:
                     "copy": ld.get("copy_ms", float("nan")),
                     "layer_wait": sum(e["waited_ms"] for e in pick("layer_waits")) if pick("layer_waits") else float("nan"),
                     "first_group": (ld.get("landed_ms") or [float("nan")])[0],
-                    "last_group": (ld.get("landed_ms") or [float("nan")])[-1],
+                    "last_group": last_group,
                     "settle": sum(e.get("settle_ms", float("nan")) for e in pick("layer_waits"))
                     if pick("layer_waits") else float("nan"),
                     "forward": pick("forward")[-1]["ms"] if pick("forward") else float("nan"),
