@@ -154,7 +154,8 @@ class PoolAllocator:
         self.announced = epoch
 
     def unannounce(self) -> None:
-        """A new leader welcomed this worker: it has accepted no pools of ours yet."""
+        """No leader has accepted the current pools (yet): a new plan is being applied, or a new
+        leader welcomed this worker."""
         self.announced = -1
 
     async def apply(self, plan: "pb.PoolPlan", layout: "pb.KvLayout") -> tuple[bool, str]:
